@@ -1,0 +1,36 @@
+# Two entry points (README): `make demo` and `make test`. Both bootstrap .venv the first time.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-fast memory clean
+
+venv: $(STAMP)
+
+# CPU environment with the real SGLang 0.5.14 (requirements/cpu.txt explains the three steps).
+$(STAMP): requirements/cpu.txt requirements/cpu-deps.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements/cpu.txt
+	$(BIN)/pip install --quiet --no-deps sglang==0.5.14
+	$(BIN)/pip install --quiet -r requirements/cpu-deps.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import sglang, sglang_ssm_modes; assert sglang.__version__ == '0.5.14', sglang.__version__"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m sglang_ssm_modes demo
+
+memory: venv
+	$(BIN)/python -m sglang_ssm_modes memory
+
+test: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Skip tests marked slow (interpreter-heavy); CI runs everything.
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info

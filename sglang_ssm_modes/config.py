@@ -1,0 +1,130 @@
+"""The state-storage mode chosen at server start, and its validation.
+
+``SSMModeConfig`` is the one place the mode's parameters are checked. Every rule fails with an
+``SSMModeConfigError`` that names the command-line flag to change and how (DESIGN §5: validate
+every flag combination at startup with one clear message). This module does not import SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("native", "compact", "replay")
+"""The three storage modes for the recurrent state (DESIGN §2)."""
+
+REPLAY_HISTORIES = (8, 16, 32, 64)
+"""History lengths L the replay kernels are built for (the ring holds 2·L records)."""
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""Allowed state / activation dtypes by name (the choices of SGLang's ``--mamba-ssm-dtype``)."""
+
+FLAG_MODE = "--ssm-state-mode"
+FLAG_HISTORY = "--ssm-replay-history"
+FLAG_DRAFT = "--speculative-num-draft-tokens"
+FLAG_STATE_DTYPE = "--mamba-ssm-dtype"
+FLAG_ACTIVATION_DTYPE = "--dtype"
+
+
+class SSMModeConfigError(ValueError):
+    """An invalid mode configuration; the message names the flag and the fix."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of an allowed dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise KeyError(dtype)
+
+
+def _as_dtype(value, flag: str, what: str) -> torch.dtype:
+    if isinstance(value, str):
+        key = value.removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+    elif isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    choices = ", ".join(DTYPES)
+    raise SSMModeConfigError(
+        f"{flag} {value!r} is not a supported {what} dtype; pass {flag} with one of: {choices}"
+    )
+
+
+@dataclass(frozen=True)
+class SSMModeConfig:
+    """How the recurrent state of the linear-attention layers is stored (immutable).
+
+    * ``mode``: ``"native"`` (SGLang as is), ``"compact"`` (state + D raw-input records) or
+      ``"replay"`` (checkpoint + a ring of 2·L records + cursor).
+    * ``replay_history``: L, the history a replay window may hold before it is folded; one of
+      ``REPLAY_HISTORIES``. Only used by ``replay``; it must be at least ``draft_tokens``.
+    * ``draft_tokens``: D = ``--speculative-num-draft-tokens``, the verify width with the base
+      token included; 1 means no speculative decoding.
+    * ``state_dtype``: dtype of the stored state S (``--mamba-ssm-dtype``).
+    * ``activation_dtype``: dtype of the raw k / v recorded by compact and replay (the model dtype).
+
+    Dtypes may be given as ``torch.dtype`` or by name (``"bfloat16"``); they are stored as
+    ``torch.dtype``.
+    """
+
+    mode: str = "native"
+    replay_history: int = 16
+    draft_tokens: int = 1
+    state_dtype: torch.dtype = torch.float32
+    activation_dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SSMModeConfigError(
+                f"{FLAG_MODE} {self.mode!r} is not a state mode; pass {FLAG_MODE} with one of: "
+                + ", ".join(MODES)
+            )
+        d = self.draft_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise SSMModeConfigError(
+                f"{FLAG_DRAFT} {d!r} is not a verify width: pass {FLAG_DRAFT} as an integer >= 1 "
+                "(the base token included; 1 = no speculative decoding)"
+            )
+        length = self.replay_history
+        if isinstance(length, bool) or not isinstance(length, int) or length not in REPLAY_HISTORIES:
+            raise SSMModeConfigError(
+                f"{FLAG_HISTORY} {length!r} is not a supported history length; pass "
+                f"{FLAG_HISTORY} with one of: " + ", ".join(str(x) for x in REPLAY_HISTORIES)
+            )
+        if self.mode == "replay" and length < d:
+            fits = [x for x in REPLAY_HISTORIES if x >= d]
+            fix = (
+                f"pass {FLAG_HISTORY} {fits[0]} or larger"
+                if fits
+                else f"reduce {FLAG_DRAFT} to {REPLAY_HISTORIES[-1]} or less"
+            )
+            raise SSMModeConfigError(
+                f"{FLAG_HISTORY} {length} is smaller than {FLAG_DRAFT} {d}: replay needs L >= D; "
+                + fix
+            )
+        object.__setattr__(self, "state_dtype", _as_dtype(self.state_dtype, FLAG_STATE_DTYPE, "state"))
+        object.__setattr__(
+            self,
+            "activation_dtype",
+            _as_dtype(self.activation_dtype, FLAG_ACTIVATION_DTYPE, "activation"),
+        )
+
+    @property
+    def ring_records(self) -> int:
+        """Records kept per request, layer and head: 2·L for replay, D for compact, 0 for native."""
+        if self.mode == "replay":
+            return 2 * self.replay_history
+        if self.mode == "compact":
+            return self.draft_tokens
+        return 0
+
+    @property
+    def speculative(self) -> bool:
+        """Whether speculative decoding is on (D > 1)."""
+        return self.draft_tokens > 1
