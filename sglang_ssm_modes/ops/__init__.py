@@ -1,0 +1,1 @@
+"""Triton kernels of the modes, one folder per mode, each beside its plain-torch reference."""

@@ -1,0 +1,8 @@
+"""Compact mode kernels (Triton): output-only verify that records raw inputs, and the commit of
+accepted prefixes. The plain-torch reference beside them is :mod:`sglang_ssm_modes.reference.compact`."""
+
+from .commit import compact_commit
+from .records import CompactRecordBuffers
+from .verify import compact_verify
+
+__all__ = ["CompactRecordBuffers", "compact_commit", "compact_verify"]

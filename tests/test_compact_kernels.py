@@ -1,0 +1,150 @@
+"""Compact-mode Triton kernels against SGLang 0.5.14's native verify + scatter, kernel against kernel:
+outputs and committed states bit for bit (same arithmetic; under the CPU interpreter both round the
+same way), records equal to the raw inputs, the whole pool compared (padding and other slots too).
+On the GPU the same tests run at real shapes (marked ``gpu``)."""
+
+import inspect
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
+
+from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
+from sglang_ssm_modes.ops.compact.commit import compact_commit_kernel
+from sglang_ssm_modes.ops.compact.verify import compact_verify_kernel
+from sglang_ssm_modes.reference import compact_verify as reference_compact_verify
+from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs, random_state
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = random_gate_params(family, hv, kdim, g)
+    x = random_inputs(family, n, d, hk, hv, kdim, vdim, g, torch.bfloat16)
+    slots = 2 * n + 3
+    pool = random_state(slots, hv, vdim, kdim, g, state_dtype)
+    perm = torch.randperm(slots, generator=g)[:n]
+    state_idx = perm.clone()
+    state_idx[n // 2] = -1  # a padding row in the middle of the batch
+    return params, x, pool, state_idx
+
+
+def _flat(x, family, n, d):
+    a = x.a.reshape(n * d, -1)
+    return dict(q=x.q.reshape(1, n * d, *x.q.shape[2:]), k=x.k.reshape(1, n * d, *x.k.shape[2:]),
+                v=x.v.reshape(1, n * d, *x.v.shape[2:]), a=a, b=x.b.reshape(1, n * d, -1))
+
+
+def _to(d, device):
+    return {k: t.to(device) for k, t in d.items()}
+
+
+def _native_round(params, x, pool, state_idx, last, family, n, d):
+    """SGLang 0.5.14: target verify writing per-step states, then the masked scatter."""
+    inp = _to(_flat(x, family, n, d), DEVICE)
+    hv, vdim, kdim = pool.shape[1:]
+    pool = pool.to(DEVICE).clone()
+    inter = torch.zeros(n, d, hv, vdim, kdim, dtype=pool.dtype, device=DEVICE)
+    cu = torch.arange(0, n * d + 1, d, dtype=torch.int32, device=DEVICE)
+    o = fused_sigmoid_gating_delta_rule_update(
+        A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0, softplus_threshold=20.0,
+        initial_state_source=pool, initial_state_indices=state_idx.to(DEVICE), use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu, is_kda=family == "kda", disable_state_update=True, intermediate_states_buffer=inter,
+        intermediate_state_indices=torch.arange(n, dtype=torch.int32, device=DEVICE), cache_steps=d, **inp)
+    _scatter(pool, inter, state_idx.to(DEVICE), last.to(DEVICE))
+    return o, pool
+
+
+def _scatter(pool, inter, state_idx, last):
+    """SGLang's acceptance copy. Its wrapper refuses CPU tensors, so on the CPU the same copy
+    (documented: ``dst[idx[i]] = src[i, step[i]]`` where ``step[i] >= 0``) is done in torch; it moves
+    bits and computes nothing, so bit-identity is unaffected."""
+    if pool.is_cuda:
+        fused_mamba_state_scatter_with_mask(pool[None], inter[None], state_idx, last)
+        return
+    for i in range(last.shape[0]):
+        if last[i] >= 0 and state_idx[i] >= 0:
+            pool[state_idx[i]] = inter[i, last[i]]
+
+
+def _compact_round(params, x, pool, state_idx, last, family, n, d, hk):
+    inp = _to(_flat(x, family, n, d), DEVICE)
+    hv, vdim, kdim = pool.shape[1:]
+    pool = pool.to(DEVICE).clone()
+    rec = CompactRecordBuffers.allocate(n + 2, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE) + 1  # record slots need not be 0..n-1
+    before = pool.clone()
+    o = compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                       inp["b"], pool, state_idx.to(DEVICE), rec, rec_idx, is_kda=family == "kda")
+    assert torch.equal(pool, before), "verify wrote the state"
+    compact_commit(pool, state_idx.to(DEVICE), rec, rec_idx, last.to(DEVICE), is_kda=family == "kda")
+    return o, pool, rec
+
+
+CASES = [  # family, N (odd), D, HK, HV, K, V
+    ("gdn", 7, 4, 2, 4, 16, 32),
+    ("gdn", 7, 3, 1, 2, 32, 64),
+    ("kda", 9, 4, 2, 2, 16, 32),
+]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
+    family, n, d, hk, hv, kdim, vdim = case
+    params, x, pool, state_idx = _case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=n + d + kdim)
+    # every accepted length 0..D (last index -1..D-1) appears among the real rows; the padding row
+    # (state index -1) is given a real-looking accepted length too, which must change nothing
+    real_rows = [i for i in range(n) if state_idx[i] >= 0]
+    assert len(real_rows) >= d + 1
+    last = torch.full((n,), d - 1, dtype=torch.int64)
+    for j, i in enumerate(real_rows):
+        last[i] = (j % (d + 1)) - 1
+    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d)
+    o_cmp, pool_cmp, rec = _compact_round(params, x, pool, state_idx, last, family, n, d, hk)
+    real = state_idx >= 0
+    o_nat = o_nat.reshape(n, d, hv, vdim)[real]
+    o_cmp = o_cmp.reshape(n, d, hv, vdim)[real]
+    assert torch.equal(o_cmp, o_nat)
+    assert torch.equal(pool_cmp, pool_nat)  # whole pool: committed, untouched and padding slots
+    assert not torch.equal(pool_cmp, pool.to(DEVICE)) or (last < 0).all()
+    # records: raw inputs bit for bit, per key head; padding row not recorded
+    rows = torch.arange(n)[real]
+    assert torch.equal(rec.k[1:n + 1][rows].cpu(), x.k[rows])
+    assert torch.equal(rec.v[1:n + 1][rows].cpu(), x.v[rows])
+    assert (rec.k[0] == 0).all() and (rec.k[n + 1] == 0).all() and (rec.k[1 + n // 2] == 0).all()
+    # outputs agree with the plain-torch reference within float32 tolerance
+    o_ref, rec_ref = reference_compact_verify(pool[state_idx.clamp_min(0)], x, params)
+    assert torch.allclose(o_cmp.float().cpu(), o_ref[real].to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+    # g = -exp(A_log) * log(1 + exp(x)): for x << 0, one ulp of (1 + exp(x)) is a relative error of
+    # ~6e-8 / exp(x) in the log, so numpy (interpreter) and torch float32 differ by up to ~1e-5 relative
+    assert torch.allclose(rec.g[1:n + 1][rows].cpu(), rec_ref.g[rows], rtol=1e-4, atol=1e-7)
+    assert torch.allclose(rec.beta[1:n + 1][rows].cpu(), rec_ref.beta[rows], rtol=1e-6, atol=1e-7)
+
+
+def test_request_count_is_not_a_compile_time_constant():
+    """N only sets the grid; T is marked do_not_specialize; no kernel argument depends on the batch."""
+    verify_args = inspect.signature(compact_verify_kernel.fn).parameters
+    commit_args = inspect.signature(compact_commit_kernel.fn).parameters
+    for params in (verify_args, commit_args):
+        assert not any(name in params for name in ("N", "B", "batch", "num_requests"))
+    jit = compact_verify_kernel
+    marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize", [])  # JIT / interpreter
+    assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
+@pytest.mark.parametrize("n,d", [(1, 4), (7, 4), (33, 2), (64, 8)])
+def test_compact_round_bit_identical_real_shapes(family, hk, hv, n, d, state_dtype):
+    params, x, pool, state_idx = _case(family, n, d, hk, hv, 128, 128, state_dtype, seed=n * d)
+    last = torch.randint(-1, d, (n,), generator=torch.Generator().manual_seed(n))
+    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d)
+    o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk)
+    real = (state_idx >= 0).to(DEVICE)
+    assert torch.equal(o_cmp.reshape(n, d, hv, 128)[real], o_nat.reshape(n, d, hv, 128)[real])
+    assert torch.equal(pool_cmp, pool_nat)
