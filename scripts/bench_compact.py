@@ -1,0 +1,212 @@
+"""Benchmark: one speculative round (verify + acceptance) of SGLang 0.5.14's native path against the
+compact mode's, side by side in one run on one GPU.
+
+* native (``sglang-0.5.14-native``): ``fused_sigmoid_gating_delta_rule_update`` writing D per-step
+  states to ``intermediate_ssm``, then ``fused_mamba_state_scatter_with_mask``;
+* compact (``ours-compact``): output-only verify writing raw-input records, then the commit.
+
+Timing: CUDA-graph replay of R rounds, each on its own group of pool slots (rotating, so the L2
+cache cannot hold the states), median over repeats, divided by R. Bytes: the minimum the round must
+move for the state (native: read S, write D states, read + write the accepted one; compact: read S
+in verify, read + write S in commit) plus records, against the measured device copy bandwidth.
+
+Usage (GPU): python3 scripts/bench_compact.py --out DIR [--batches 1 8 32 64 128 256] [--draft-tokens 2 4 8]
+Writes DIR/compact_h200.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+FAMILIES = {"gdn": dict(hk=16, hv=32), "kda": dict(hk=32, hv=32)}  # Qwen3-Next-80B / Kimi-Linear-48B, TP 1
+K = V = 128
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TARGET_BYTES = 1 << 30  # rotate over about 1 GiB of state so L2 (50 MB) never holds it
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device copy bandwidth (read + write bytes per second) of a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); dst.copy_(src); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def make_inputs(family, batch, d, act, gen):
+    hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
+    t = batch * d
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device="cuda").to(act)
+
+    a = rn(t, hv * K) if family == "kda" else rn(t, hv)
+    A_log = torch.log(torch.empty(hv, device="cuda").uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(hv * K if family == "kda" else hv, generator=gen, device="cuda") * 0.1 - 4
+    return dict(q=rn(1, t, hk, K), k=rn(1, t, hk, K), v=rn(1, t, hv, V), a=a, b=rn(1, t, hv), A_log=A_log, dt_bias=dt_bias)
+
+
+def time_graph(fn, rounds: int, repeats: int = 20) -> float:
+    """Median µs per round of ``fn(r)`` for r in 0..rounds-1, captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for r in range(rounds):
+            fn(r)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(rounds):
+            fn(r)
+    g.replay(); torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / rounds)
+    return statistics.median(times)
+
+
+def bench_case(family, dtype_name, batch, d, copy_bw):
+    from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+    from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
+
+    from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
+
+    sd = DTYPES[dtype_name]
+    hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
+    is_kda = family == "kda"
+    state_bytes = hv * V * K * sd.itemsize
+    rounds = max(2, min(64, TARGET_BYTES // (batch * state_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(batch * 10 + d)
+    x = make_inputs(family, batch, d, torch.bfloat16, gen)
+    pool = (0.1 * torch.randn(rounds * batch + 1, hv, V, K, generator=gen, device="cuda")).to(sd)
+    groups = [torch.arange(r * batch, (r + 1) * batch, dtype=torch.int32, device="cuda") for r in range(rounds)]
+    last = torch.randint(0, d, (batch,), generator=gen, device="cuda").to(torch.int64)
+    cu = torch.arange(0, batch * d + 1, d, dtype=torch.int32, device="cuda")
+    inter = torch.zeros(batch, d, hv, V, K, dtype=sd, device="cuda")
+    inter_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
+    rec = CompactRecordBuffers.allocate(batch, d, hk, hv, K, V, is_kda, torch.bfloat16, "cuda")
+    rec_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
+    kw = dict(q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"])
+
+    def native(r):
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=x["A_log"], dt_bias=x["dt_bias"], softplus_beta=1.0, softplus_threshold=20.0,
+            initial_state_source=pool, initial_state_indices=groups[r], use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+            is_kda=is_kda, disable_state_update=True, intermediate_states_buffer=inter,
+            intermediate_state_indices=inter_idx, cache_steps=d, **kw)
+        fused_mamba_state_scatter_with_mask(pool[None], inter[None], groups[r], last)
+
+    def compact(r):
+        compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec,
+                       rec_idx, is_kda=is_kda)
+        compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
+
+    act_bytes = batch * d * (2 * hk * K + hv * V + hv * (K if is_kda else 1) + hv) * 2  # q,k,v,a,b in
+    out_bytes = batch * d * hv * V * 2
+    rec_bytes = batch * d * (hk * K * 2 + hv * V * 2 + hv * (K if is_kda else 1) * 4 + hv * 4)
+    mean_accept = (last.float().mean().item() + 1)
+    rows = []
+    for impl, fn, states, extra, per_req in (
+            ("sglang-0.5.14-native", native, 1 + d + 2, 0, (1 + d) * state_bytes),
+            ("ours-compact", compact, 3, rec_bytes * (1 + mean_accept / d), state_bytes + rec_bytes // batch)):
+        us = time_graph(fn, rounds)
+        bytes_min = batch * states * state_bytes + act_bytes + out_bytes + extra
+        rows.append(dict(op="spec_round", family=family, impl=impl, state_dtype=dtype_name, batch=batch,
+                         draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
+                         frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
+                         bytes_per_request=int(per_req), path="triton-chain-verify+commit" if impl == "ours-compact"
+                         else "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
+                         mean_accepted=round(mean_accept, 2)))
+    del pool, inter
+    torch.cuda.empty_cache()
+    return rows
+
+
+def write_report(result, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "compact_h200.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    rows = result["rows"]
+    key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
+    nat = {key(r): r for r in rows if r["impl"] == "sglang-0.5.14-native"}
+    lines = [f"# Compact vs native speculative round — {result['gpu']}, {result['date']}, commit {result['commit']}",
+             "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
+             "| family | state | D | batch | native µs | compact µs | speedup | native frac bw | compact frac bw | mem/req native→compact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["impl"] == "ours-compact"), key=key):
+        n = nat[key(r)]
+        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {n['median_us']:.1f} | "
+                     f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {n['frac_copy_bw']:.2f} | "
+                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
+    with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG written", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, fam in zip(axes, ("gdn", "kda")):
+        for dt in result["state_dtypes"]:
+            for d in result["draft_tokens"]:
+                pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
+                             if r["impl"] == "ours-compact" and r["family"] == fam and r["state_dtype"] == dt
+                             and r["draft_tokens"] == d)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} D={d}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{fam.upper()} spec round: native / compact")
+        ax.set_xlabel("batch")
+    axes[0].set_ylabel("speedup (×)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "compact_h200.png"), dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
+    p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
+        p.error("batches and draft tokens must be >= 1")
+    from tqdm import tqdm
+
+    bw = copy_bandwidth_gbps()
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=args.commit,
+                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, state_dtypes=args.state_dtypes,
+                  draft_tokens=args.draft_tokens, rows=[])
+    cases = [(f, dt, b, d) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens for b in args.batches]
+    for case in tqdm(cases, desc="compact bench", mininterval=5):
+        result["rows"] += bench_case(*case, bw)
+    write_report(result, args.out)
+    print(open(os.path.join(args.out, "compact_h200.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
