@@ -42,8 +42,9 @@ def _to(d, device):
     return {k: t.to(device) for k, t in d.items()}
 
 
-def _native_round(params, x, pool, state_idx, last, family, n, d):
-    """SGLang 0.5.14: target verify writing per-step states, then the masked scatter."""
+def _native_round(params, x, pool, state_idx, last, family, n, d, parents=None):
+    """SGLang 0.5.14: target verify writing per-step states (a chain, or a tree through
+    ``retrieve_parent_token``), then the masked scatter of the last accepted node's state."""
     inp = _to(_flat(x, family, n, d), DEVICE)
     hv, vdim, kdim = pool.shape[1:]
     pool = pool.to(DEVICE).clone()
@@ -53,7 +54,8 @@ def _native_round(params, x, pool, state_idx, last, family, n, d):
         A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0, softplus_threshold=20.0,
         initial_state_source=pool, initial_state_indices=state_idx.to(DEVICE), use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu, is_kda=family == "kda", disable_state_update=True, intermediate_states_buffer=inter,
-        intermediate_state_indices=torch.arange(n, dtype=torch.int32, device=DEVICE), cache_steps=d, **inp)
+        intermediate_state_indices=torch.arange(n, dtype=torch.int32, device=DEVICE), cache_steps=d,
+        retrieve_parent_token=None if parents is None else parents.to(DEVICE), **inp)
     _scatter(pool, inter, state_idx.to(DEVICE), last.to(DEVICE))
     return o, pool
 
@@ -70,7 +72,7 @@ def _scatter(pool, inter, state_idx, last):
             pool[state_idx[i]] = inter[i, last[i]]
 
 
-def _compact_round(params, x, pool, state_idx, last, family, n, d, hk):
+def _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents=None):
     inp = _to(_flat(x, family, n, d), DEVICE)
     hv, vdim, kdim = pool.shape[1:]
     pool = pool.to(DEVICE).clone()
@@ -78,9 +80,11 @@ def _compact_round(params, x, pool, state_idx, last, family, n, d, hk):
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE) + 1  # record slots need not be 0..n-1
     before = pool.clone()
     o = compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
-                       inp["b"], pool, state_idx.to(DEVICE), rec, rec_idx, is_kda=family == "kda")
+                       inp["b"], pool, state_idx.to(DEVICE), rec, rec_idx, is_kda=family == "kda",
+                       retrieve_parent_token=None if parents is None else parents.to(DEVICE))
     assert torch.equal(pool, before), "verify wrote the state"
-    compact_commit(pool, state_idx.to(DEVICE), rec, rec_idx, last.to(DEVICE), is_kda=family == "kda")
+    compact_commit(pool, state_idx.to(DEVICE), rec, rec_idx, last.to(DEVICE), is_kda=family == "kda",
+                   retrieve_parent_token=None if parents is None else parents.to(DEVICE))
     return o, pool, rec
 
 
@@ -125,6 +129,34 @@ def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
     assert torch.allclose(rec.beta[1:n + 1][rows].cpu(), rec_ref.beta[rows], rtol=1e-6, atol=1e-7)
 
 
+def random_tree_parents(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """``retrieve_parent_token`` of random draft trees: node t > 0 hangs under a node < t."""
+    parents = torch.zeros(n, d, dtype=torch.int64)
+    for t in range(1, d):
+        parents[:, t] = torch.randint(0, t, (n,), generator=gen)
+    return parents
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
+def test_compact_tree_round_bit_identical_to_sglang_native(family, hk, hv, state_dtype):
+    """EAGLE topk > 1 / NGRAM trees: outputs of every node and the committed state of the last
+    accepted node (any node, 0..D-1, or none) equal native tree verify + scatter, whole pool."""
+    n, d = 7, 5
+    params, x, pool, state_idx = _case(family, n, d, hk, hv, 16, 32, state_dtype, seed=11 + hv)
+    gen = torch.Generator().manual_seed(12)
+    parents = random_tree_parents(n, d, gen)
+    parents[0] = torch.tensor([0, 0, 1, 2, 3])  # one deep chain-shaped tree
+    last = torch.randint(-1, d, (n,), generator=gen)
+    last[0], last[1] = d - 1, -1
+    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d, parents)
+    o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents)
+    real = state_idx >= 0
+    assert torch.equal(o_cmp.reshape(n, d, hv, 32)[real], o_nat.reshape(n, d, hv, 32)[real])
+    assert torch.equal(pool_cmp, pool_nat)
+    assert not torch.equal(pool_cmp, pool.to(DEVICE))
+
+
 def test_request_count_is_not_a_compile_time_constant():
     """N only sets the grid; T is marked do_not_specialize; no kernel argument depends on the batch."""
     verify_args = inspect.signature(compact_verify_kernel.fn).parameters
@@ -139,12 +171,15 @@ def test_request_count_is_not_a_compile_time_constant():
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-@pytest.mark.parametrize("n,d", [(1, 4), (7, 4), (33, 2), (64, 8)])
-def test_compact_round_bit_identical_real_shapes(family, hk, hv, n, d, state_dtype):
+@pytest.mark.parametrize("n,d,tree", [(1, 4, False), (7, 4, False), (33, 2, False), (64, 8, False), (5, 6, True),
+                                      (48, 8, True)])
+def test_compact_round_bit_identical_real_shapes(family, hk, hv, n, d, tree, state_dtype):
     params, x, pool, state_idx = _case(family, n, d, hk, hv, 128, 128, state_dtype, seed=n * d)
-    last = torch.randint(-1, d, (n,), generator=torch.Generator().manual_seed(n))
-    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d)
-    o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk)
+    gen = torch.Generator().manual_seed(n)
+    last = torch.randint(-1, d, (n,), generator=gen)
+    parents = random_tree_parents(n, d, gen) if tree else None
+    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d, parents)
+    o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents)
     real = (state_idx >= 0).to(DEVICE)
     assert torch.equal(o_cmp.reshape(n, d, hv, 128)[real], o_nat.reshape(n, d, hv, 128)[real])
     assert torch.equal(pool_cmp, pool_nat)

@@ -1,6 +1,8 @@
-"""Compact-mode commit (chain): re-run each request's accepted prefix from its committed state over
-the raw-input records, in float32 with the native kernel's op order and tiling, and write the state
-once — SGLang's stored verify copy ``round(S_n)``, bit for bit.
+"""Compact-mode commit: re-run each request's accepted prefix (a chain, or a path through a draft
+tree) from its committed state over the raw-input records, in float32 with the native kernel's op
+order and tiling, and write the state once — bit for bit the state native verify stored for the last
+accepted node (chain: rounded once at the end; tree: rounded after every step, as native reloads
+each parent's stored copy).
 """
 
 from __future__ import annotations
@@ -9,19 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
+from ..delta_rule_step import delta_rule_update, l2normalize
 from .records import CompactRecordBuffers
 
 
 @triton.jit
 def compact_commit_kernel(
     h0_source, h0_indices, rec_k, rec_v, rec_g, rec_beta, rec_indices, last_index,
+    parents, stride_parents_seq, stride_parents_tok,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, IS_KDA: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, NP2_D: tl.constexpr,
+    IS_KDA: tl.constexpr, IS_TREE: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``. ``h0_source`` ``[slots, HV, V, K]`` is updated in place at
-    ``h0_indices`` ``[N]`` for requests whose ``last_index`` ``[N]`` (accepted length - 1, base token
-    included) is >= 0 and whose slot and record slot ``rec_indices`` ``[N]`` are >= 0; every other
-    row (padding, nothing accepted) is left untouched. Records as :class:`CompactRecordBuffers`.
+    ``h0_indices`` ``[N]`` for requests whose ``last_index`` ``[N]`` (window index of the last accepted
+    node; accepted length - 1 for a chain) is >= 0 and whose slot and record slot ``rec_indices`` ``[N]``
+    are >= 0; every other row (padding, nothing accepted) is left untouched. Records as
+    :class:`CompactRecordBuffers`; ``parents`` ``[N, D]`` for a tree.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -38,38 +44,55 @@ def compact_commit_kernel(
         p_h0 = h0_source + idx * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
-        for t in range(0, last + 1):
+        o_d = tl.arange(0, NP2_D)
+        depth = last
+        if IS_TREE:  # ancestors of the last accepted node, nearest first: anc[0] = last, anc[depth] = 0
+            anc = tl.zeros([NP2_D], dtype=tl.int32)
+            cur = last
+            depth = 0
+            for j in range(0, D):
+                anc = tl.where(o_d == j, cur, anc)
+                if cur != 0:
+                    cur = tl.load(parents + i_n * stride_parents_seq + cur * stride_parents_tok).to(tl.int32)
+                    depth += 1
+        for jj in range(0, depth + 1):
+            if IS_TREE:
+                t = tl.sum(tl.where(o_d == depth - jj, anc, 0))
+            else:
+                t = jj
             rec_t = r * D + t
             b_k = tl.load(rec_k + (rec_t * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
             b_v = tl.load(rec_v + (rec_t * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
             b_beta = tl.load(rec_beta + rec_t * HV + i_hv)
-            b_k = b_k / (tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
             if IS_KDA:
                 b_g = tl.load(rec_g + (rec_t * HV + i_hv) * K + o_k, mask=mask_k, other=0)
-                b_h *= tl.exp(b_g[:, None])
             else:
                 b_g = tl.load(rec_g + rec_t * HV + i_hv)
-                b_h *= tl.exp(b_g)
-            b_v -= tl.sum(b_h * b_k[:, None], 0)
-            b_v *= b_beta
-            b_h += b_k[:, None] * b_v[None, :]
+            b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
+            if IS_TREE:
+                b_h = b_h.to(h0_source.dtype.element_ty).to(tl.float32)
         tl.store(p_h0, b_h.to(p_h0.dtype.element_ty), mask=mask_h)
 
 
 def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, records: CompactRecordBuffers,
-                   record_indices: torch.Tensor, last_index: torch.Tensor, *, is_kda: bool) -> None:
+                   record_indices: torch.Tensor, last_index: torch.Tensor, *, is_kda: bool,
+                   retrieve_parent_token: torch.Tensor | None = None) -> None:
     """Commit accepted prefixes into the state pool ``ssm_states`` ``[slots, HV, V, K]`` in place.
 
-    ``last_index`` ``[N]`` is SGLang's ``last_correct_step_indices`` (accepted length - 1; -1 keeps
-    the state). ``state_indices`` / ``record_indices`` ``[N]``: pool slot / record slot per request
-    (< 0: padding). Request count is a runtime value (the grid), never a compile-time constant.
+    ``last_index`` ``[N]`` is SGLang's ``last_correct_step_indices`` (window index of the last accepted
+    node; -1 keeps the state). ``state_indices`` / ``record_indices`` ``[N]``: pool slot / record slot
+    per request (< 0: padding). ``retrieve_parent_token`` ``[N, D]`` selects tree semantics. The
+    request count is a runtime value (the grid), never a compile-time constant.
     """
     n = state_indices.shape[0]
     hv, vdim, kdim = ssm_states.shape[1:]
     hk = records.k.shape[2]
+    parents = retrieve_parent_token
+    tree = parents is not None
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     grid = (triton.cdiv(vdim, BV), n * hv)
     compact_commit_kernel[grid](
         ssm_states, state_indices, records.k, records.v, records.g, records.beta, record_indices, last_index,
-        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=records.draft_tokens, IS_KDA=is_kda,
-        num_warps=1, num_stages=3)
+        parents, parents.stride(0) if tree else 0, parents.stride(1) if tree else 0,
+        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=records.draft_tokens,
+        NP2_D=triton.next_power_of_2(records.draft_tokens), IS_KDA=is_kda, IS_TREE=tree, num_warps=1, num_stages=3)

@@ -1,0 +1,47 @@
+"""Triton building blocks shared by the modes' kernels: SGLang 0.5.14's gate and delta-rule step,
+op for op as ``fused_sigmoid_gating_delta_rule_update_kernel`` computes them (float32), so that every
+kernel built from them rounds and reduces exactly like the native one. Inlined by Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold,
+                  IS_KDA: tl.constexpr):
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` (scalar for GDN, ``[BK]`` for KDA) and
+    ``beta = 1 / (1 + exp(-b))``, both float32, from one token's pointers."""
+    b_A_log = tl.load(p_A_log).to(tl.float32)
+    if IS_KDA:
+        b_a = tl.load(p_a, mask=mask_k, other=0).to(tl.float32)
+        b_dt_bias = tl.load(p_dt_bias, mask=mask_k, other=0).to(tl.float32)
+    else:
+        b_a = tl.load(p_a).to(tl.float32)
+        b_dt_bias = tl.load(p_dt_bias).to(tl.float32)
+    x = b_a + b_dt_bias
+    beta_x = softplus_beta * x
+    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
+    b_g = -tl.exp(b_A_log) * softplus_x
+    b_beta = 1.0 / (1.0 + tl.exp(-tl.load(p_b).to(tl.float32)))
+    return b_g, b_beta
+
+
+@triton.jit
+def l2normalize(b_x):
+    """``x / sqrt(sum(x * x) + 1e-6)`` (SGLang's in-kernel L2 norm)."""
+    return b_x / (tl.sqrt(tl.sum(b_x * b_x) + 1e-6))
+
+
+@triton.jit
+def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
+    """One token of the gated delta rule on a ``[BK, BV]`` float32 state tile ``b_h`` (``h[k, v]``)
+    with normalised ``b_k`` ``[BK]``, ``b_v`` ``[BV]``: ``h *= exp(g); v -= sum_k h k; v *= beta;
+    h += k v^T``. Returns the new tile."""
+    if IS_KDA:
+        b_h *= tl.exp(b_g[:, None])
+    else:
+        b_h *= tl.exp(b_g)
+    b_v -= tl.sum(b_h * b_k[:, None], 0)
+    b_v *= b_beta
+    b_h += b_k[:, None] * b_v[None, :]
+    return b_h
