@@ -8,72 +8,14 @@ import inspect
 import pytest
 import torch
 
-from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
-from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
-
+from kernel_cases import DEVICE, flat_inputs, make_case, random_tree_parents, sglang_native_round, to_device
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
 from sglang_ssm_modes.ops.compact.commit import compact_commit_kernel
-from sglang_ssm_modes.ops.compact.verify import compact_verify_kernel
+from sglang_ssm_modes.ops.verify_window import verify_window_kernel
 from sglang_ssm_modes.reference import compact_verify as reference_compact_verify
-from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs, random_state
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    params = random_gate_params(family, hv, kdim, g)
-    x = random_inputs(family, n, d, hk, hv, kdim, vdim, g, torch.bfloat16)
-    slots = 2 * n + 3
-    pool = random_state(slots, hv, vdim, kdim, g, state_dtype)
-    perm = torch.randperm(slots, generator=g)[:n]
-    state_idx = perm.clone()
-    state_idx[n // 2] = -1  # a padding row in the middle of the batch
-    return params, x, pool, state_idx
-
-
-def _flat(x, family, n, d):
-    a = x.a.reshape(n * d, -1)
-    return dict(q=x.q.reshape(1, n * d, *x.q.shape[2:]), k=x.k.reshape(1, n * d, *x.k.shape[2:]),
-                v=x.v.reshape(1, n * d, *x.v.shape[2:]), a=a, b=x.b.reshape(1, n * d, -1))
-
-
-def _to(d, device):
-    return {k: t.to(device) for k, t in d.items()}
-
-
-def _native_round(params, x, pool, state_idx, last, family, n, d, parents=None):
-    """SGLang 0.5.14: target verify writing per-step states (a chain, or a tree through
-    ``retrieve_parent_token``), then the masked scatter of the last accepted node's state."""
-    inp = _to(_flat(x, family, n, d), DEVICE)
-    hv, vdim, kdim = pool.shape[1:]
-    pool = pool.to(DEVICE).clone()
-    inter = torch.zeros(n, d, hv, vdim, kdim, dtype=pool.dtype, device=DEVICE)
-    cu = torch.arange(0, n * d + 1, d, dtype=torch.int32, device=DEVICE)
-    o = fused_sigmoid_gating_delta_rule_update(
-        A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0, softplus_threshold=20.0,
-        initial_state_source=pool, initial_state_indices=state_idx.to(DEVICE), use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu, is_kda=family == "kda", disable_state_update=True, intermediate_states_buffer=inter,
-        intermediate_state_indices=torch.arange(n, dtype=torch.int32, device=DEVICE), cache_steps=d,
-        retrieve_parent_token=None if parents is None else parents.to(DEVICE), **inp)
-    _scatter(pool, inter, state_idx.to(DEVICE), last.to(DEVICE))
-    return o, pool
-
-
-def _scatter(pool, inter, state_idx, last):
-    """SGLang's acceptance copy. Its wrapper refuses CPU tensors, so on the CPU the same copy
-    (documented: ``dst[idx[i]] = src[i, step[i]]`` where ``step[i] >= 0``) is done in torch; it moves
-    bits and computes nothing, so bit-identity is unaffected."""
-    if pool.is_cuda:
-        fused_mamba_state_scatter_with_mask(pool[None], inter[None], state_idx, last)
-        return
-    for i in range(last.shape[0]):
-        if last[i] >= 0 and state_idx[i] >= 0:
-            pool[state_idx[i]] = inter[i, last[i]]
-
 
 def _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents=None):
-    inp = _to(_flat(x, family, n, d), DEVICE)
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     hv, vdim, kdim = pool.shape[1:]
     pool = pool.to(DEVICE).clone()
     rec = CompactRecordBuffers.allocate(n + 2, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
@@ -99,7 +41,7 @@ CASES = [  # family, N (odd), D, HK, HV, K, V
 @pytest.mark.parametrize("case", CASES)
 def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
     family, n, d, hk, hv, kdim, vdim = case
-    params, x, pool, state_idx = _case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=n + d + kdim)
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=n + d + kdim)
     # every accepted length 0..D (last index -1..D-1) appears among the real rows; the padding row
     # (state index -1) is given a real-looking accepted length too, which must change nothing
     real_rows = [i for i in range(n) if state_idx[i] >= 0]
@@ -107,7 +49,7 @@ def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
     last = torch.full((n,), d - 1, dtype=torch.int64)
     for j, i in enumerate(real_rows):
         last[i] = (j % (d + 1)) - 1
-    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d)
+    o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d)
     o_cmp, pool_cmp, rec = _compact_round(params, x, pool, state_idx, last, family, n, d, hk)
     real = state_idx >= 0
     o_nat = o_nat.reshape(n, d, hv, vdim)[real]
@@ -129,27 +71,19 @@ def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
     assert torch.allclose(rec.beta[1:n + 1][rows].cpu(), rec_ref.beta[rows], rtol=1e-6, atol=1e-7)
 
 
-def random_tree_parents(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    """``retrieve_parent_token`` of random draft trees: node t > 0 hangs under a node < t."""
-    parents = torch.zeros(n, d, dtype=torch.int64)
-    for t in range(1, d):
-        parents[:, t] = torch.randint(0, t, (n,), generator=gen)
-    return parents
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_compact_tree_round_bit_identical_to_sglang_native(family, hk, hv, state_dtype):
     """EAGLE topk > 1 / NGRAM trees: outputs of every node and the committed state of the last
     accepted node (any node, 0..D-1, or none) equal native tree verify + scatter, whole pool."""
     n, d = 7, 5
-    params, x, pool, state_idx = _case(family, n, d, hk, hv, 16, 32, state_dtype, seed=11 + hv)
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 16, 32, state_dtype, seed=11 + hv)
     gen = torch.Generator().manual_seed(12)
     parents = random_tree_parents(n, d, gen)
     parents[0] = torch.tensor([0, 0, 1, 2, 3])  # one deep chain-shaped tree
     last = torch.randint(-1, d, (n,), generator=gen)
     last[0], last[1] = d - 1, -1
-    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d, parents)
+    o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d, parents)
     o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents)
     real = state_idx >= 0
     assert torch.equal(o_cmp.reshape(n, d, hv, 32)[real], o_nat.reshape(n, d, hv, 32)[real])
@@ -159,11 +93,11 @@ def test_compact_tree_round_bit_identical_to_sglang_native(family, hk, hv, state
 
 def test_request_count_is_not_a_compile_time_constant():
     """N only sets the grid; T is marked do_not_specialize; no kernel argument depends on the batch."""
-    verify_args = inspect.signature(compact_verify_kernel.fn).parameters
+    verify_args = inspect.signature(verify_window_kernel.fn).parameters
     commit_args = inspect.signature(compact_commit_kernel.fn).parameters
     for params in (verify_args, commit_args):
         assert not any(name in params for name in ("N", "B", "batch", "num_requests"))
-    jit = compact_verify_kernel
+    jit = verify_window_kernel
     marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize", [])  # JIT / interpreter
     assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
 
@@ -174,11 +108,11 @@ def test_request_count_is_not_a_compile_time_constant():
 @pytest.mark.parametrize("n,d,tree", [(1, 4, False), (7, 4, False), (33, 2, False), (64, 8, False), (5, 6, True),
                                       (48, 8, True)])
 def test_compact_round_bit_identical_real_shapes(family, hk, hv, n, d, tree, state_dtype):
-    params, x, pool, state_idx = _case(family, n, d, hk, hv, 128, 128, state_dtype, seed=n * d)
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 128, 128, state_dtype, seed=n * d)
     gen = torch.Generator().manual_seed(n)
     last = torch.randint(-1, d, (n,), generator=gen)
     parents = random_tree_parents(n, d, gen) if tree else None
-    o_nat, pool_nat = _native_round(params, x, pool, state_idx, last, family, n, d, parents)
+    o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d, parents)
     o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents)
     real = (state_idx >= 0).to(DEVICE)
     assert torch.equal(o_cmp.reshape(n, d, hv, 128)[real], o_nat.reshape(n, d, hv, 128)[real])

@@ -8,9 +8,10 @@ import triton.language as tl
 
 @triton.jit
 def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold,
-                  IS_KDA: tl.constexpr):
+                  IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
     """``g = -exp(A_log) * softplus(a + dt_bias)`` (scalar for GDN, ``[BK]`` for KDA) and
-    ``beta = 1 / (1 + exp(-b))``, both float32, from one token's pointers."""
+    ``beta = 1 / (1 + exp(-b))`` (or ``b`` itself when ``BETA_ACTIVATED``), both float32, from one
+    token's pointers."""
     b_A_log = tl.load(p_A_log).to(tl.float32)
     if IS_KDA:
         b_a = tl.load(p_a, mask=mask_k, other=0).to(tl.float32)
@@ -22,7 +23,10 @@ def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_
     beta_x = softplus_beta * x
     softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
     b_g = -tl.exp(b_A_log) * softplus_x
-    b_beta = 1.0 / (1.0 + tl.exp(-tl.load(p_b).to(tl.float32)))
+    if BETA_ACTIVATED:
+        b_beta = tl.load(p_b).to(tl.float32)
+    else:
+        b_beta = 1.0 / (1.0 + tl.exp(-tl.load(p_b).to(tl.float32)))
     return b_g, b_beta
 
 

@@ -1,166 +1,22 @@
-"""Compact-mode output-only verify (chain or tree): SGLang 0.5.14's fused sigmoid-gating delta-rule
-kernel with the state read and never written, and no per-step state scratch; instead each token's
-raw inputs go to the record buffers for the commit.
-
-The arithmetic is the native kernel's, op for op and with the same tiling (BK = K, BV = 32,
-one warp), so the outputs are the native verify's bit for bit.
-"""
+"""Compact-mode verify: output-only (the state is read, never written), recording each draft
+token's raw inputs for the commit; no per-step state scratch."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ..delta_rule_step import delta_rule_update, gate_and_beta, l2normalize
+from ..verify_window import verify_window
 from .records import CompactRecordBuffers
-
-
-@triton.jit(do_not_specialize=["T"])
-def compact_verify_kernel(
-    A_log, a, dt_bias, q, k, v, b, o,
-    h0_source, h0_indices, cu_seqlens,
-    rec_k, rec_v, rec_g, rec_beta, rec_indices,
-    parents, stride_parents_seq, stride_parents_tok,
-    softplus_beta, softplus_threshold, scale, T,
-    stride_a, stride_q, stride_k, stride_v, stride_b,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, NP2_D: tl.constexpr,
-    IS_KDA: tl.constexpr, IS_VARLEN: tl.constexpr, IS_TREE: tl.constexpr,
-):
-    """Grid ``(cdiv(V, BV), N * HV)``; one program per (value block, request, value head).
-
-    ``q, k`` ``[1, T_all, H, K]``, ``v`` ``[1, T_all, HV, V]`` (activation dtype); ``a`` ``[T_all, HV]``
-    (GDN) or ``[T_all, HV * K]`` (KDA); ``b`` ``[1, T_all, HV]``; ``o`` ``[1, T_all, HV, V]``;
-    ``h0_source`` ``[slots, HV, V, K]`` (float32 / bfloat16 / float16), read only; ``h0_indices``
-    ``[N]`` (``< 0``: padding row, starts from zeros); ``cu_seqlens`` ``[N + 1]`` (varlen) or fixed
-    ``T`` per request; records (see :class:`CompactRecordBuffers`) at ``rec_indices`` ``[N]``, token t
-    of a request at record position t (t < D); rows with a negative record or state index (padding)
-    write no record.
-
-    Chain (``IS_TREE`` False): the state tile stays in float32 across the window, like native chain
-    verify. Tree: ``parents`` ``[N, T]`` (SGLang's ``retrieve_parent_token``) gives each node's
-    parent; node t's output is computed from S0 along its path, rounding the tile to the state dtype
-    after every step but the last — exactly the stored parent states native tree verify reloads.
-    """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n * T
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-
-    p_q = q + bos * stride_q + i_h * K + o_k
-    p_k = k + bos * stride_k + i_h * K + o_k
-    p_v = v + bos * stride_v + i_hv * V + o_v
-    p_b = b + bos * stride_b + i_hv
-    p_o = o + (bos * HV + i_hv) * V + o_v
-    p_A_log = A_log + i_hv
-    if IS_KDA:
-        p_a = a + bos * stride_a + i_hv * K + o_k
-        p_dt_bias = dt_bias + i_hv * K + o_k
-    else:
-        p_a = a + bos * stride_a + i_hv
-        p_dt_bias = dt_bias + i_hv
-
-    b_h0 = tl.zeros([BK, BV], dtype=tl.float32)
-    idx = tl.load(h0_indices + i_n)
-    if idx >= 0:
-        p_h0 = h0_source + idx * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
-        b_h0 += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
-    b_h = b_h0
-
-    r = tl.load(rec_indices + i_n).to(tl.int64)
-    records = (r >= 0) & (idx >= 0)
-    writes_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-    o_d = tl.arange(0, NP2_D)
-    for t in range(0, T):
-        b_k_raw = tl.load(p_k + t * stride_k, mask=mask_k, other=0)
-        b_v_raw = tl.load(p_v + t * stride_v, mask=mask_v, other=0)
-        b_g, b_beta = gate_and_beta(p_A_log, p_a + t * stride_a, p_dt_bias, p_b + t * stride_b, mask_k,
-                                    softplus_beta, softplus_threshold, IS_KDA)
-        if records:
-            rec_t = r * D + t
-            if writes_k:
-                tl.store(rec_k + (rec_t * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
-            tl.store(rec_v + (rec_t * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
-            if i_v == 0:
-                if IS_KDA:
-                    tl.store(rec_g + (rec_t * HV + i_hv) * K + o_k, b_g, mask=mask_k)
-                else:
-                    tl.store(rec_g + rec_t * HV + i_hv, b_g)
-                tl.store(rec_beta + rec_t * HV + i_hv, b_beta)
-
-        if IS_TREE:
-            # ancestors of t, nearest first: anc[0] = t, ..., anc[depth] = 0
-            anc = tl.zeros([NP2_D], dtype=tl.int32)
-            cur = tl.cast(t, tl.int32)
-            depth = 0
-            for j in range(0, T):
-                anc = tl.where(o_d == j, cur, anc)
-                if cur != 0:
-                    cur = tl.load(parents + i_n * stride_parents_seq + cur * stride_parents_tok).to(tl.int32)
-                    depth += 1
-            b_h = b_h0
-            for jj in range(0, depth + 1):
-                node = tl.sum(tl.where(o_d == depth - jj, anc, 0))
-                b_kn = tl.load(p_k + node * stride_k, mask=mask_k, other=0).to(tl.float32)
-                b_vn = tl.load(p_v + node * stride_v, mask=mask_v, other=0).to(tl.float32)
-                b_gn, b_betan = gate_and_beta(p_A_log, p_a + node * stride_a, p_dt_bias, p_b + node * stride_b,
-                                              mask_k, softplus_beta, softplus_threshold, IS_KDA)
-                b_h = delta_rule_update(b_h, l2normalize(b_kn), b_vn, b_gn, b_betan, IS_KDA)
-                if jj < depth:
-                    b_h = b_h.to(h0_source.dtype.element_ty).to(tl.float32)
-        else:
-            b_h = delta_rule_update(b_h, l2normalize(b_k_raw.to(tl.float32)), b_v_raw.to(tl.float32), b_g, b_beta,
-                                    IS_KDA)
-        b_q = l2normalize(tl.load(p_q + t * stride_q, mask=mask_k, other=0).to(tl.float32)) * scale
-        b_o = tl.sum(b_h * b_q[:, None], 0)
-        tl.store(p_o + t * HV * V, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
 
 def compact_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, b: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
                    records: CompactRecordBuffers, record_indices: torch.Tensor, *, is_kda: bool,
                    cu_seqlens: torch.Tensor | None = None, retrieve_parent_token: torch.Tensor | None = None,
-                   scale: float | None = None,
-                   softplus_beta: float = 1.0, softplus_threshold: float = 20.0) -> torch.Tensor:
-    """Output-only chain verify; arguments as SGLang's ``fused_sigmoid_gating_delta_rule_update``
-    (``q, k`` ``[1, T_all, HK, K]``, ``v`` ``[1, T_all, HV, V]``, ``a``, ``b``, the state pool
-    ``[slots, HV, V, K]`` and per-request ``state_indices``), plus the record buffers and each
-    request's record slot. With ``cu_seqlens`` None every request has ``T_all / N`` tokens.
-    ``retrieve_parent_token`` ``[N, D]`` (int) selects tree verify (EAGLE topk > 1, NGRAM).
-    Returns ``o`` ``[1, T_all, HV, V]``. ``ssm_states`` is not written.
-    """
-    _, t_all, hk, kdim = k.shape
-    hv, vdim = v.shape[2], v.shape[3]
-    n = state_indices.shape[0]
-    if cu_seqlens is None and t_all % n:
-        raise ValueError(f"{t_all} tokens do not split evenly over {n} requests; pass cu_seqlens")
-    t = t_all // n if cu_seqlens is None else t_all
-    if records.draft_tokens < (t if cu_seqlens is None else 1):
-        raise ValueError(f"record buffers hold {records.draft_tokens} tokens per request, the window has {t}")
-    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
-    if BK != kdim:
-        raise ValueError(f"head_k_dim {kdim} must be a power of two (the native kernel's single K block)")
-    o = q.new_empty(1, t_all, hv, vdim)
-    parents = retrieve_parent_token
-    tree = parents is not None
-    grid = (triton.cdiv(vdim, BV), n * hv)
-    compact_verify_kernel[grid](
-        A_log, a, dt_bias, q, k, v, b, o, ssm_states, state_indices, cu_seqlens,
-        records.k, records.v, records.g, records.beta, record_indices,
-        parents, parents.stride(0) if tree else 0, parents.stride(1) if tree else 0, softplus_beta, softplus_threshold, kdim ** -0.5 if scale is None else scale, t,
-        a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
-        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=records.draft_tokens,
-        NP2_D=triton.next_power_of_2(records.draft_tokens), IS_KDA=is_kda, IS_VARLEN=cu_seqlens is not None,
-        IS_TREE=tree, num_warps=1, num_stages=3)
-    return o
+                   beta_activated: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Output-only verify of a chain (or a tree with ``retrieve_parent_token`` ``[N, D]``): inputs as
+    SGLang's ``fused_sigmoid_gating_delta_rule_update``, plus the record buffers and each request's
+    record slot. Returns ``o`` ``[1, T_all, HV, V]``, native's bit for bit."""
+    return verify_window(A_log, a, dt_bias, q, k, v, b, ssm_states, state_indices, is_kda=is_kda, records=records,
+                         record_indices=record_indices, cu_seqlens=cu_seqlens,
+                         retrieve_parent_token=retrieve_parent_token, beta_activated=beta_activated, scale=scale)
