@@ -1,8 +1,9 @@
 """Benchmark: one speculative round (verify + acceptance) of SGLang 0.5.14's native path against the
 compact mode's, side by side in one run on one GPU.
 
-* native (``sglang-0.5.14-native``): ``fused_sigmoid_gating_delta_rule_update`` writing D per-step
-  states to ``intermediate_ssm``, then ``fused_mamba_state_scatter_with_mask``;
+* native: GDN ``sglang-0.5.14-native`` — ``fused_sigmoid_gating_delta_rule_update`` writing D per-step
+  states to ``intermediate_ssm``, then ``fused_mamba_state_scatter_with_mask``; KDA ``ours-native`` —
+  our verify storing per-step states (SGLang 0.5.14 has no KDA verify), then the same scatter;
 * compact (``ours-compact``): output-only verify writing raw-input records, then the commit.
 
 Timing: CUDA-graph replay of R rounds, each on its own group of pool slots (rotating, so the L2
@@ -86,6 +87,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
     from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
     from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
+    from sglang_ssm_modes.ops.native import native_verify
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -105,11 +107,15 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
     kw = dict(q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"])
 
     def native(r):
-        fused_sigmoid_gating_delta_rule_update(
-            A_log=x["A_log"], dt_bias=x["dt_bias"], softplus_beta=1.0, softplus_threshold=20.0,
-            initial_state_source=pool, initial_state_indices=groups[r], use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-            is_kda=is_kda, disable_state_update=True, intermediate_states_buffer=inter,
-            intermediate_state_indices=inter_idx, cache_steps=d, **kw)
+        if is_kda:
+            native_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], inter,
+                          inter_idx, is_kda=True)
+        else:
+            fused_sigmoid_gating_delta_rule_update(
+                A_log=x["A_log"], dt_bias=x["dt_bias"], softplus_beta=1.0, softplus_threshold=20.0,
+                initial_state_source=pool, initial_state_indices=groups[r], use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu, is_kda=False, disable_state_update=True, intermediate_states_buffer=inter,
+                intermediate_state_indices=inter_idx, cache_steps=d, **kw)
         fused_mamba_state_scatter_with_mask(pool[None], inter[None], groups[r], last)
 
     def compact(r):
@@ -122,16 +128,20 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
     rec_bytes = batch * d * (hk * K * 2 + hv * V * 2 + hv * (K if is_kda else 1) * 4 + hv * 4)
     mean_accept = (last.float().mean().item() + 1)
     rows = []
+    native_impl = "ours-native" if is_kda else "sglang-0.5.14-native"
     for impl, fn, states, extra, per_req in (
-            ("sglang-0.5.14-native", native, 1 + d + 2, 0, (1 + d) * state_bytes),
+            (native_impl, native, 1 + d + 2, 0, (1 + d) * state_bytes),
             ("ours-compact", compact, 3, rec_bytes * (1 + mean_accept / d), state_bytes + rec_bytes // batch)):
         us = time_graph(fn, rounds)
         bytes_min = batch * states * state_bytes + act_bytes + out_bytes + extra
         rows.append(dict(op="spec_round", family=family, impl=impl, state_dtype=dtype_name, batch=batch,
                          draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
                          frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
-                         bytes_per_request=int(per_req), path="triton-chain-verify+commit" if impl == "ours-compact"
-                         else "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
+                         bytes_per_request=int(per_req), path={
+                             "ours-compact": "verify_window(records)+compact_commit",
+                             "ours-native": "verify_window(steps)+fused_mamba_state_scatter_with_mask",
+                             "sglang-0.5.14-native": "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
+                         }[impl],
                          mean_accepted=round(mean_accept, 2)))
     del pool, inter
     torch.cuda.empty_cache()
@@ -144,10 +154,10 @@ def write_report(result, out_dir):
         json.dump(result, f, indent=1)
     rows = result["rows"]
     key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
-    nat = {key(r): r for r in rows if r["impl"] == "sglang-0.5.14-native"}
+    nat = {key(r): r for r in rows if r["impl"] != "ours-compact"}
     lines = [f"# Compact vs native speculative round — {result['gpu']}, {result['date']}, commit {result['commit']}",
              "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
-             "| family | state | D | batch | native µs | compact µs | speedup | native frac bw | compact frac bw | mem/req native→compact |",
+             "| family | state | D | batch | native µs (GDN: SGLang's, KDA: ours) | compact µs | speedup | native frac bw | compact frac bw | mem/req native→compact |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] == "ours-compact"), key=key):
         n = nat[key(r)]
