@@ -211,8 +211,11 @@ def main(argv=None) -> int:
                   copy_bw_gbps=round(bw, 1), torch=torch.__version__, state_dtypes=args.state_dtypes,
                   draft_tokens=args.draft_tokens, rows=[])
     cases = [(f, dt, b, d) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens for b in args.batches]
+    os.makedirs(args.out, exist_ok=True)
     for case in tqdm(cases, desc="compact bench", mininterval=5):
         result["rows"] += bench_case(*case, bw)
+        with open(os.path.join(args.out, "compact_h200.partial.json"), "w") as f:  # survives a time-out
+            json.dump(result, f)
     write_report(result, args.out)
     print(open(os.path.join(args.out, "compact_h200.md")).read())
     return 0
