@@ -100,18 +100,18 @@ def verify_window_kernel(
         b_v_raw = tl.load(p_v + t * stride_v, mask=mask_v, other=0)
         b_g, b_beta = gate_and_beta(p_A_log, p_a + t * stride_a, p_dt_bias, p_b + t * stride_b, mask_k,
                                     softplus_beta, softplus_threshold, IS_KDA, BETA_ACTIVATED)
-        if records:
-            rec_t = r * D + t
-            if writes_k:
-                tl.store(rec_k + (rec_t * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
-            tl.store(rec_v + (rec_t * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
-            if i_v == 0:
-                if IS_KDA:
-                    tl.store(rec_g + (rec_t * HV + i_hv) * K + o_k, b_g, mask=mask_k)
-                else:
-                    tl.store(rec_g + rec_t * HV + i_hv, b_g)
-                tl.store(rec_beta + rec_t * HV + i_hv, b_beta)
-
+        if WRITE_RECORDS:  # constexpr first: without buffers the branch must not be compiled
+            if records:
+                rec_t = r * D + t
+                if writes_k:
+                    tl.store(rec_k + (rec_t * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
+                tl.store(rec_v + (rec_t * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
+                if i_v == 0:
+                    if IS_KDA:
+                        tl.store(rec_g + (rec_t * HV + i_hv) * K + o_k, b_g, mask=mask_k)
+                    else:
+                        tl.store(rec_g + rec_t * HV + i_hv, b_g)
+                    tl.store(rec_beta + rec_t * HV + i_hv, b_beta)
         if IS_TREE:
             # ancestors of t, nearest first: anc[0] = t, ..., anc[depth] = 0
             anc = tl.zeros([NP2_D], dtype=tl.int32)
@@ -136,9 +136,10 @@ def verify_window_kernel(
         else:
             b_h = delta_rule_update(b_h, l2normalize(b_k_raw.to(tl.float32)), b_v_raw.to(tl.float32), b_g, b_beta,
                                     IS_KDA)
-        if s_idx >= 0:
-            p_s = steps + ((s_idx * D + t) * HV + i_hv) * K * V + o_v[None, :] * K + o_k[:, None]
-            tl.store(p_s, b_h.to(p_s.dtype.element_ty), mask=mask_h)
+        if WRITE_STEPS:
+            if s_idx >= 0:
+                p_s = steps + ((s_idx * D + t) * HV + i_hv) * K * V + o_v[None, :] * K + o_k[:, None]
+                tl.store(p_s, b_h.to(p_s.dtype.element_ty), mask=mask_h)
         b_q = l2normalize(tl.load(p_q + t * stride_q, mask=mask_k, other=0).to(tl.float32)) * scale
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(p_o.dtype.element_ty), mask=mask_v)
