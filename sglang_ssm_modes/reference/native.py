@@ -17,7 +17,9 @@ Where the native paths round the state to its storage dtype differs, and matters
   (SGLang's ``intermediate_ssm``) and the accepted copy is scattered back, so the committed state is
   ``round(S_n)``;
 * ``tree_verify``: every step reloads its parent's stored (rounded) state, so it rounds per step;
-* ``chunked_prefill``: float32 across the whole sequence, rounded once when stored.
+* ``chunked_prefill``: the state carried in float32 across chunks and rounded once when stored
+  (SGLang's chunk kernels additionally round q/k, the WY factors and per-chunk states to the
+  activation dtype, so they agree with this reference to bf16 precision, not float32).
 """
 
 from __future__ import annotations
