@@ -49,3 +49,21 @@ def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
     b_v *= b_beta
     b_h += b_k[:, None] * b_v[None, :]
     return b_h
+
+
+@triton.jit
+def tree_ancestors(p_parents, stride_tok, node, max_depth, NP2_D: tl.constexpr):
+    """Walk a draft tree up from ``node`` to the root (node 0) through one request's
+    ``retrieve_parent_token`` row (``p_parents``, element stride ``stride_tok``). Returns
+    ``(anc, depth)``: ``anc[j]`` the j-th ancestor (``anc[0] = node``, ``anc[depth] = 0``), ``[NP2_D]``
+    int32, looking at most ``max_depth`` links up."""
+    o_d = tl.arange(0, NP2_D)
+    anc = tl.zeros([NP2_D], dtype=tl.int32)
+    cur = tl.cast(node, tl.int32)
+    depth = 0
+    for j in range(0, max_depth):
+        anc = tl.where(o_d == j, cur, anc)
+        if cur != 0:
+            cur = tl.load(p_parents + cur * stride_tok).to(tl.int32)
+            depth += 1
+    return anc, depth

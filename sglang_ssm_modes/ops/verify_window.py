@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize
+from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize, tree_ancestors
 from .compact.records import CompactRecordBuffers
 
 
@@ -113,15 +113,7 @@ def verify_window_kernel(
                         tl.store(rec_g + rec_t * HV + i_hv, b_g)
                     tl.store(rec_beta + rec_t * HV + i_hv, b_beta)
         if IS_TREE:
-            # ancestors of t, nearest first: anc[0] = t, ..., anc[depth] = 0
-            anc = tl.zeros([NP2_D], dtype=tl.int32)
-            cur = tl.cast(t, tl.int32)
-            depth = 0
-            for j in range(0, T):
-                anc = tl.where(o_d == j, cur, anc)
-                if cur != 0:
-                    cur = tl.load(parents + i_n * stride_parents_seq + cur * stride_parents_tok).to(tl.int32)
-                    depth += 1
+            anc, depth = tree_ancestors(parents + i_n * stride_parents_seq, stride_parents_tok, t, T, NP2_D)
             b_h = b_h0
             for jj in range(0, depth + 1):
                 node = tl.sum(tl.where(o_d == depth - jj, anc, 0))

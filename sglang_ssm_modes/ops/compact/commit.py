@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import delta_rule_update, l2normalize
+from ..delta_rule_step import delta_rule_update, l2normalize, tree_ancestors
 from .records import CompactRecordBuffers
 
 
@@ -46,15 +46,8 @@ def compact_commit_kernel(
         b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
         o_d = tl.arange(0, NP2_D)
         depth = last
-        if IS_TREE:  # ancestors of the last accepted node, nearest first: anc[0] = last, anc[depth] = 0
-            anc = tl.zeros([NP2_D], dtype=tl.int32)
-            cur = last
-            depth = 0
-            for j in range(0, D):
-                anc = tl.where(o_d == j, cur, anc)
-                if cur != 0:
-                    cur = tl.load(parents + i_n * stride_parents_seq + cur * stride_parents_tok).to(tl.int32)
-                    depth += 1
+        if IS_TREE:  # the accepted path: ancestors of the last accepted node
+            anc, depth = tree_ancestors(parents + i_n * stride_parents_seq, stride_parents_tok, last, D, NP2_D)
         for jj in range(0, depth + 1):
             if IS_TREE:
                 t = tl.sum(tl.where(o_d == depth - jj, anc, 0))
