@@ -106,7 +106,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
     rec_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
     kw = dict(q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"])
 
-    def native(r):
+    def native_verify_only(r):
         if is_kda:
             native_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], inter,
                           inter_idx, is_kda=True)
@@ -116,12 +116,24 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
                 initial_state_source=pool, initial_state_indices=groups[r], use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu, is_kda=False, disable_state_update=True, intermediate_states_buffer=inter,
                 intermediate_state_indices=inter_idx, cache_steps=d, **kw)
+
+    def native_accept(r):
         fused_mamba_state_scatter_with_mask(pool[None], inter[None], groups[r], last)
 
-    def compact(r):
+    def native(r):
+        native_verify_only(r)
+        native_accept(r)
+
+    def compact_verify_only(r):
         compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec,
                        rec_idx, is_kda=is_kda)
+
+    def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
+
+    def compact(r):
+        compact_verify_only(r)
+        compact_commit_only(r)
 
     act_bytes = batch * d * (2 * hk * K + hv * V + hv * (K if is_kda else 1) + hv) * 2  # q,k,v,a,b in
     out_bytes = batch * d * hv * V * 2
@@ -129,19 +141,32 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
     mean_accept = (last.float().mean().item() + 1)
     rows = []
     native_impl = "ours-native" if is_kda else "sglang-0.5.14-native"
-    for impl, fn, states, extra, per_req in (
-            (native_impl, native, 1 + d + 2, 0, (1 + d) * state_bytes),
-            ("ours-compact", compact, 3, rec_bytes * (1 + mean_accept / d), state_bytes + rec_bytes // batch)):
+    cases = [  # (op, impl, fn, states moved, other bytes, bytes per request)
+        ("spec_round", native_impl, native, 1 + d + 2, act_bytes + out_bytes, (1 + d) * state_bytes),
+        ("spec_round", "ours-compact", compact, 3, act_bytes + out_bytes + rec_bytes * (1 + mean_accept / d),
+         state_bytes + rec_bytes // batch),
+        ("verify", native_impl, native_verify_only, 1 + d, act_bytes + out_bytes, (1 + d) * state_bytes),
+        ("commit", native_impl, native_accept, 2, 0, (1 + d) * state_bytes),
+        ("verify", "ours-compact", compact_verify_only, 1, act_bytes + out_bytes + rec_bytes,
+         state_bytes + rec_bytes // batch),
+        ("commit", "ours-compact", compact_commit_only, 2, rec_bytes * mean_accept / d, state_bytes + rec_bytes // batch),
+    ]
+    for op, impl, fn, states, extra, per_req in cases:
         us = time_graph(fn, rounds)
-        bytes_min = batch * states * state_bytes + act_bytes + out_bytes + extra
-        rows.append(dict(op="spec_round", family=family, impl=impl, state_dtype=dtype_name, batch=batch,
+        bytes_min = batch * states * state_bytes + extra
+        rows.append(dict(op=op, family=family, impl=impl, state_dtype=dtype_name, batch=batch,
                          draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
                          frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path={
-                             "ours-compact": "verify_window(records)+compact_commit",
-                             "ours-native": "verify_window(steps)+fused_mamba_state_scatter_with_mask",
-                             "sglang-0.5.14-native": "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
-                         }[impl],
+                             ("spec_round", "ours-compact"): "verify_window(records)+compact_commit",
+                             ("verify", "ours-compact"): "verify_window(records)",
+                             ("commit", "ours-compact"): "compact_commit",
+                             ("spec_round", "ours-native"): "verify_window(steps)+fused_mamba_state_scatter_with_mask",
+                             ("verify", "ours-native"): "verify_window(steps)",
+                             ("spec_round", "sglang-0.5.14-native"):
+                                 "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
+                             ("verify", "sglang-0.5.14-native"): "fused_sigmoid_gating_delta_rule_update",
+                         }.get((op, impl), "fused_mamba_state_scatter_with_mask"),
                          mean_accepted=round(mean_accept, 2)))
     del pool, inter
     torch.cuda.empty_cache()
@@ -154,15 +179,21 @@ def write_report(result, out_dir):
         json.dump(result, f, indent=1)
     rows = result["rows"]
     key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
-    nat = {key(r): r for r in rows if r["impl"] != "ours-compact"}
+    part = {(r["op"], r["impl"] == "ours-compact") + key(r): r for r in rows}
+    nat = {key(r): r for r in rows if r["impl"] != "ours-compact" and r["op"] == "spec_round"}
     lines = [f"# Compact vs native speculative round — {result['gpu']}, {result['date']}, commit {result['commit']}",
              "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
-             "| family | state | D | batch | native µs (GDN: SGLang's, KDA: ours) | compact µs | speedup | native frac bw | compact frac bw | mem/req native→compact |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["impl"] == "ours-compact"), key=key):
+             "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Parts: verify + accept/commit µs.",
+             "",
+             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["impl"] == "ours-compact" and r["op"] == "spec_round"), key=key):
         n = nat[key(r)]
+        nv, nc = part[("verify", False) + key(r)], part[("commit", False) + key(r)]
+        cv, cc = part[("verify", True) + key(r)], part[("commit", True) + key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {n['median_us']:.1f} | "
-                     f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {n['frac_copy_bw']:.2f} | "
+                     f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {nv['median_us']:.1f} + "
+                     f"{nc['median_us']:.1f} | {cv['median_us']:.1f} + {cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | "
                      f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
     with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -178,7 +209,7 @@ def write_report(result, out_dir):
         for dt in result["state_dtypes"]:
             for d in result["draft_tokens"]:
                 pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
-                             if r["impl"] == "ours-compact" and r["family"] == fam and r["state_dtype"] == dt
+                             if r["impl"] == "ours-compact" and r["op"] == "spec_round" and r["family"] == fam and r["state_dtype"] == dt
                              and r["draft_tokens"] == d)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} D={d}")
         ax.axhline(1.0, color="grey", lw=0.8)
