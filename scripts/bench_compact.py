@@ -82,7 +82,7 @@ def time_graph(fn, rounds: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def bench_case(family, dtype_name, batch, d, copy_bw):
+def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
     from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
     from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
@@ -124,9 +124,16 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
         native_verify_only(r)
         native_accept(r)
 
+    # the verify tile: native's (None) or the fastest of ``tiles`` for this case, measured here
+    tile_us = {t: time_graph(lambda r, t=t: compact_verify(
+        x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec, rec_idx,
+        is_kda=is_kda, tile=t), rounds, repeats=5) for t in [None, *tiles]}
+    tile = min(tile_us, key=tile_us.get)
+    tile_name = "native-tile" if tile is None else f"BV{tile[0]}xW{tile[1]}"
+
     def compact_verify_only(r):
         compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec,
-                       rec_idx, is_kda=is_kda)
+                       rec_idx, is_kda=is_kda, tile=tile)
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
@@ -158,8 +165,8 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
                          draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
                          frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path={
-                             ("spec_round", "ours-compact"): "verify_window(records)+compact_commit",
-                             ("verify", "ours-compact"): "verify_window(records)",
+                             ("spec_round", "ours-compact"): f"verify_window(records,{tile_name})+compact_commit",
+                             ("verify", "ours-compact"): f"verify_window(records,{tile_name})",
                              ("commit", "ours-compact"): "compact_commit",
                              ("spec_round", "ours-native"): "verify_window(steps)+fused_mamba_state_scatter_with_mask",
                              ("verify", "ours-native"): "verify_window(steps)",
@@ -167,6 +174,8 @@ def bench_case(family, dtype_name, batch, d, copy_bw):
                                  "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
                              ("verify", "sglang-0.5.14-native"): "fused_sigmoid_gating_delta_rule_update",
                          }.get((op, impl), "fused_mamba_state_scatter_with_mask"),
+                         verify_tile_us={("native-tile" if t is None else f"BV{t[0]}xW{t[1]}"): round(u, 2)
+                                         for t, u in tile_us.items()} if impl == "ours-compact" else None,
                          mean_accepted=round(mean_accept, 2)))
     del pool, inter
     torch.cuda.empty_cache()
@@ -230,11 +239,19 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    p.add_argument("--verify-tiles", nargs="*", default=["32x2", "16x1", "16x2", "16x4", "8x1", "8x2", "64x4"],
+                   help="compact verify tiles BVxWARPS tried beside native's (32x1); the fastest is used and reported")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
         p.error("batches and draft tokens must be >= 1")
+    try:
+        tiles = [tuple(int(v) for v in t.lower().split("x")) for t in args.verify_tiles]
+    except ValueError:
+        p.error(f"--verify-tiles takes BVxWARPS items such as 16x2, got {args.verify_tiles}")
+    if any(len(t) != 2 or t[0] & (t[0] - 1) or t[1] & (t[1] - 1) or not 1 <= t[1] <= 8 for t in tiles):
+        p.error("--verify-tiles: BV and WARPS must be powers of two, WARPS 1..8")
     from tqdm import tqdm
 
     bw = copy_bandwidth_gbps()
@@ -244,7 +261,7 @@ def main(argv=None) -> int:
     cases = [(f, dt, b, d) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
     for case in tqdm(cases, desc="compact bench", mininterval=5):
-        result["rows"] += bench_case(*case, bw)
+        result["rows"] += bench_case(*case, bw, tiles)
         with open(os.path.join(args.out, "compact_h200.partial.json"), "w") as f:  # survives a time-out
             json.dump(result, f)
     write_report(result, args.out)

@@ -2,7 +2,8 @@
 # The GPU suite, run on the GPU machine from the repo root with .gpu/ carried (see README "GPU suite").
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
-#   PART: tests (default) | tests:FILE[::NAME] | bench-compact
+#   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
+#         | bench-compact
 #
 # Unpacks the SGLang 0.5.14 site archive (.gpu/site312.tar.xz, built by ../shared/gpu/build_site.sh),
 # runs the selected parts and writes their logs and results under $OUT (default ./out).
@@ -17,10 +18,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 export COMMIT=${COMMIT:-unknown}
 echo "commit $COMMIT date $(date -u +%F)" | tee -a "$OUT/gpu.txt"
 
-run_tests() {  # $1: pytest target (default: every gpu-marked test)
-    local target=${1:-tests}
+run_tests() {  # $1: pytest target, all its tests; without it every gpu-marked test
+    local args=(-m gpu tests)
+    [ -n "${1:-}" ] && args=("$1")
     set +e
-    python3 -m pytest -q -rA -m gpu -p no:cacheprovider "$target" 2>&1 | tee -a "$OUT/gpu_tests.log"
+    python3 -m pytest -q -rA -p no:cacheprovider "${args[@]}" 2>&1 | tee -a "$OUT/gpu_tests.log"
     local rc=${PIPESTATUS[0]}
     set -e
     [ "$rc" -eq 0 ] || { echo "gpu tests failed (rc=$rc)" >&2; return "$rc"; }
@@ -29,7 +31,7 @@ run_tests() {  # $1: pytest target (default: every gpu-marked test)
 status=0
 for part in "${@:-tests}"; do
     case "$part" in
-        tests) run_tests || status=1 ;;
+        tests) run_tests "" || status=1 ;;
         tests:*) run_tests "${part#tests:}" || status=1 ;;
         bench-compact) python3 scripts/bench_compact.py --out "$OUT" || status=1 ;;
         *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact" >&2; exit 2 ;;

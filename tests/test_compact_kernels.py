@@ -117,3 +117,50 @@ def test_compact_round_bit_identical_real_shapes(family, hk, hv, n, d, tree, sta
     real = (state_idx >= 0).to(DEVICE)
     assert torch.equal(o_cmp.reshape(n, d, hv, 128)[real], o_nat.reshape(n, d, hv, 128)[real])
     assert torch.equal(pool_cmp, pool_nat)
+
+
+@pytest.mark.parametrize("tile", [(8, 1), (16, 2), (64, 4)])
+def test_other_verify_tiles_record_the_same_and_commit_bit_identically(tile):
+    """Any verify tile records the exact inputs, so the commit stays bit-identical to native; the
+    outputs agree to float32 rounding (bitwise under the CPU interpreter). BV 64 > V 32 checks masking."""
+    family, n, d, hk, hv, kdim, vdim = "gdn", 7, 4, 2, 4, 16, 32
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.bfloat16, seed=31)
+    last = torch.randint(-1, d, (n,), generator=torch.Generator().manual_seed(32))
+    o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d)
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    pool_t = pool.to(DEVICE).clone()
+    rec = CompactRecordBuffers.allocate(n, d, hk, hv, kdim, vdim, False, torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    o = compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                       inp["b"], pool_t, state_idx.to(DEVICE), rec, rec_idx, is_kda=False, tile=tile)
+    compact_commit(pool_t, state_idx.to(DEVICE), rec, rec_idx, last.to(DEVICE), is_kda=False)
+    real = (state_idx >= 0).to(DEVICE)
+    assert torch.allclose(o.reshape(n, d, hv, vdim)[real].float(), o_nat.reshape(n, d, hv, vdim)[real].float(),
+                          rtol=1e-2, atol=1e-2)
+    assert torch.equal(pool_t, pool_nat)
+
+
+def _compiled_variants(jit) -> int:
+    return sum(len(cache[0]) for cache in jit.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_request_counts_1_to_511_compile_each_kernel_once():
+    """Request counts run through 1..511: the verify and commit kernels compile once per shape
+    (N is only the grid; T is do_not_specialize; strides and pointers do not depend on N)."""
+    family, d, hk, hv = "gdn", 4, 2, 4
+    params, x, pool, _ = make_case(family, 511, d, hk, hv, 16, 32, torch.float32, seed=33)
+    inp = to_device(flat_inputs(x, family, 511, d), DEVICE)
+    pool = pool.to(DEVICE)
+    rec = CompactRecordBuffers.allocate(511, d, hk, hv, 16, 32, False, torch.bfloat16, DEVICE)
+    idx = torch.arange(511, dtype=torch.int32, device=DEVICE)
+    last = torch.full((511,), d - 1, dtype=torch.int64, device=DEVICE)
+    before = (_compiled_variants(verify_window_kernel), _compiled_variants(compact_commit_kernel))
+    for n in range(1, 512):
+        t = slice(0, n * d)
+        compact_verify(params.A_log.to(DEVICE), inp["a"][t], params.dt_bias.to(DEVICE), inp["q"][:, t], inp["k"][:, t],
+                       inp["v"][:, t], inp["b"][:, t], pool, idx[:n], rec, idx[:n], is_kda=False)
+        compact_commit(pool, idx[:n], rec, idx[:n], last[:n], is_kda=False)
+    torch.cuda.synchronize()
+    after = (_compiled_variants(verify_window_kernel), _compiled_variants(compact_commit_kernel))
+    assert (after[0] - before[0], after[1] - before[1]) in {(1, 1), (0, 0)}, (before, after)

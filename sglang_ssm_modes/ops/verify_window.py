@@ -144,7 +144,7 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   steps_indices: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                   retrieve_parent_token: torch.Tensor | None = None, beta_activated: bool = False,
                   scale: float | None = None, softplus_beta: float = 1.0,
-                  softplus_threshold: float = 20.0) -> torch.Tensor:
+                  softplus_threshold: float = 20.0, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Verify a window; arguments as SGLang's ``fused_sigmoid_gating_delta_rule_update``
     (``q, k`` ``[1, T_all, HK, K]``, ``v`` ``[1, T_all, HV, V]``, ``a``, ``b``, the state pool
     ``[slots, HV, V, K]`` and per-request ``state_indices``). With ``cu_seqlens`` None every request
@@ -152,6 +152,11 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     ``records`` + ``record_indices``: write raw-input records (compact). ``steps`` ``[S, D, HV, V, K]``
     + ``steps_indices``: store every node's state (native). Returns ``o`` ``[1, T_all, HV, V]``;
     ``ssm_states`` is never written.
+
+    ``tile`` = ``(BV, num_warps)`` overrides the native tiling (BV 32, one warp) when no states are
+    stored: the records are exact copies of the inputs whatever the tiling, the outputs then differ
+    from native's in the last bits (another reduction order). Stored states always use the native
+    tiling, which their bit-identity needs.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -165,6 +170,11 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if d < width:
         raise ValueError(f"buffers hold {d} tokens per request, the window has {width}")
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
+    num_warps = 1
+    if tile is not None:
+        if steps is not None:
+            raise ValueError("stored states need the native tiling: pass tile=None with steps")
+        BV, num_warps = tile
     if BK != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two (the native kernel's single K block)")
     o = q.new_empty(1, t_all, hv, vdim)
@@ -181,5 +191,5 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=d, NP2_D=triton.next_power_of_2(d),
         IS_KDA=is_kda, IS_VARLEN=cu_seqlens is not None, IS_TREE=tree, BETA_ACTIVATED=beta_activated,
-        WRITE_RECORDS=rec is not None, WRITE_STEPS=steps is not None, num_warps=1, num_stages=3)
+        WRITE_RECORDS=rec is not None, WRITE_STEPS=steps is not None, num_warps=num_warps, num_stages=3)
     return o
