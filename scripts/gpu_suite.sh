@@ -3,12 +3,19 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
 #   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
-#         | bench-compact
+#         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS)
 #
 # Unpacks the SGLang 0.5.14 site archive (.gpu/site312.tar.xz, built by ../shared/gpu/build_site.sh),
 # runs the selected parts and writes their logs and results under $OUT (default ./out).
 set -euo pipefail
 OUT=${OUT:-$PWD/out}
+PARTS=("${@:-tests}")
+for part in "${PARTS[@]}"; do
+    case "$part" in
+        tests|tests:*|bench-compact) ;;
+        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
 [ -f .gpu/site312.tar.xz ] || { echo "missing .gpu/site312.tar.xz: build it with ../shared/gpu/build_site.sh and carry .gpu" >&2; exit 2; }
 SITE=$(mktemp -d)
@@ -29,12 +36,11 @@ run_tests() {  # $1: pytest target, all its tests; without it every gpu-marked t
 }
 
 status=0
-for part in "${@:-tests}"; do
+for part in "${PARTS[@]}"; do
     case "$part" in
         tests) run_tests "" || status=1 ;;
         tests:*) run_tests "${part#tests:}" || status=1 ;;
-        bench-compact) python3 scripts/bench_compact.py --out "$OUT" || status=1 ;;
-        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact" >&2; exit 2 ;;
+        bench-compact) python3 scripts/bench_compact.py --out "$OUT" ${BENCH_COMPACT_ARGS:-} || status=1 ;;
     esac
 done
 exit "$status"
