@@ -213,8 +213,10 @@ def write_report(result, out_dir):
     except ImportError:
         print("matplotlib missing: no PNG written", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, fam in zip(axes, ("gdn", "kda")):
+    families = sorted({r["family"] for r in rows})
+    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, fam in zip(axes, families):
         for dt in result["state_dtypes"]:
             for d in result["draft_tokens"]:
                 pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
@@ -226,7 +228,7 @@ def write_report(result, out_dir):
         ax.set_title(f"{fam.upper()} spec round: native / compact")
         ax.set_xlabel("batch")
     axes[0].set_ylabel("speedup (×)")
-    axes[1].legend(fontsize=7)
+    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "compact_h200.png"), dpi=120)
 
