@@ -1,0 +1,9 @@
+"""Replay mode kernels (Triton): output-only decode / verify against checkpoint + history, the
+exact fold (also the materialise of a committed state), and the ring with its cursor. The
+plain-torch reference beside them is :mod:`sglang_ssm_modes.reference.replay`."""
+
+from .fold import replay_fold
+from .ring import ReplayRing, advance, after_fold, fold_needed
+from .verify import replay_verify
+
+__all__ = ["ReplayRing", "advance", "after_fold", "fold_needed", "replay_fold", "replay_verify"]

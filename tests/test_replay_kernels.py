@@ -1,0 +1,162 @@
+"""Replay-mode Triton kernels: output-only verify against checkpoint + history, fold, materialise,
+cursor acceptance — against the float64 reference over several folds, against SGLang 0.5.14's
+decode kernel bit for bit (float32 state), with the whole ring, cursors and pool compared."""
+
+import inspect
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, flat_inputs, make_case, to_device
+from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+
+from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
+from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
+from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
+from sglang_ssm_modes.ops.replay.verify import replay_verify_kernel
+from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
+from sglang_ssm_modes.reference.random_layer import random_inputs
+
+SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
+
+
+def _window(params, family, n, d, hk, hv, kdim, vdim, gen):
+    return random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+
+
+def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx):
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda")
+
+
+def _ring_snapshot(ring):
+    return {name: t.clone() for name, t in ring.buffers().items()}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_replay_rounds_match_float64_native_over_several_folds(shape):
+    family, hk, hv, kdim, vdim = shape
+    n, d, L, rounds = 5, 3, 8, 7
+    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    pool = pool.to(DEVICE)
+    ring = ReplayRing.allocate(n + 1, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(1, n + 1, dtype=torch.int32, device=DEVICE)  # record slot 0 belongs to nobody
+    real = state_idx >= 0
+    truth = pool[state_idx.clamp_min(0)].double().cpu()  # float64 committed state per request
+    mat_pool = torch.zeros_like(pool)
+    folds = 0
+    for _ in range(rounds):
+        need = fold_needed(ring, rec_idx, d)
+        folds += int(need.sum())
+        replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
+        after_fold(ring, rec_idx, need)
+        assert int(ring.count.max()) + d <= L
+        x = _window(params, family, n, d, hk, hv, kdim, vdim, gen)
+        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+        o_ref, _ = chain_verify(truth, x, params, torch.float64)
+        got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
+        assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)  # bf16 outputs
+        accepted = torch.randint(1, d + 1, (n,), generator=gen)
+        accepted[0] = 0  # a request that accepts nothing this round (HOLD)
+        accepted[~real] = d  # padding rows report anything; nothing may change
+        before = ring.count.clone()
+        advance(ring, rec_idx, accepted.to(DEVICE).to(torch.int32) * real.to(DEVICE))
+        expect = before.clone()
+        expect[1:][real.to(DEVICE)] += accepted[real].to(DEVICE).to(torch.int32)
+        assert torch.equal(ring.count, expect)
+        for i in range(n):
+            if real[i] and accepted[i] > 0:
+                row = LinearAttnInputs(*(t[i:i + 1, :int(accepted[i])] for t in (x.q, x.k, x.v, x.a, x.b)))
+                _, s = decode(truth[i:i + 1], row, params, torch.float64)
+                truth[i] = s[0]
+        # materialise every request into another pool: checkpoint, ring and cursors untouched
+        snap, pool_before = _ring_snapshot(ring), pool.clone()
+        replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, torch.ones(n, dtype=torch.bool, device=DEVICE),
+                    is_kda=family == "kda", dst=mat_pool, dst_indices=torch.arange(n, device=DEVICE))
+        assert torch.equal(pool, pool_before)
+        assert all(torch.equal(snap[k], v) for k, v in ring.buffers().items())
+        mat = mat_pool[:n][real.to(DEVICE)].double().cpu()
+        assert ((mat - truth[real]).abs().max() / truth[real].abs().max()).item() < 1e-5
+        assert (mat_pool[n:] == 0).all() and (mat_pool[:n][~real.to(DEVICE)] == 0).all()
+    assert folds >= 3  # the three requests that accept >= 1 token a round each fold at least once
+    assert (ring.count[0] == 0).item() and (ring.u[0] == 0).all(), "record slot 0 is nobody's"
+
+
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
+def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv):
+    """Replay decode (one record per token, folding every L tokens) leaves, once folded, the state
+    SGLang's decode kernel leaves after the same tokens: bit for bit with a float32 state."""
+    n, L, tokens, kdim, vdim = 3, 4, 9, 16, 32
+    params, _, pool, state_idx = make_case(family, n, tokens, hk, hv, kdim, vdim, torch.float32, seed=43)
+    state_idx = torch.tensor([2, 0, 5])
+    gen = torch.Generator().manual_seed(44)
+    x_all = random_inputs(family, n, tokens, hk, hv, kdim, vdim, gen, torch.bfloat16)
+    native = pool.to(DEVICE).clone()
+    ours = pool.to(DEVICE).clone()
+    ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(n, dtype=torch.int32, device=DEVICE)
+    for t in range(tokens):
+        x = x_all.tokens(t, t + 1)
+        inp = to_device(flat_inputs(x, family, n, 1), DEVICE)
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0,
+            softplus_threshold=20.0, initial_state_source=native, initial_state_indices=state_idx.to(DEVICE),
+            use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+            is_kda=family == "kda", **inp)
+        need = fold_needed(ring, rec_idx, 1)
+        replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
+        after_fold(ring, rec_idx, need)
+        _call_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
+        advance(ring, rec_idx, ones)
+    all_ = torch.ones(n, dtype=torch.bool, device=DEVICE)
+    replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, all_, is_kda=family == "kda")
+    after_fold(ring, rec_idx, all_)
+    assert torch.equal(ours, native)
+    assert (ring.count == 0).all() and torch.equal(ring.phase, torch.full_like(ring.phase, (tokens // L + 1) % 2))
+
+
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
+def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
+    """Raw k, v are the inputs bit for bit; g and beta equal the compact records (same code as the
+    native kernel); a padding row writes nothing; positions follow phase * L + count."""
+    n, d, L, kdim, vdim = 3, 3, 4, 16, 32
+    params, x, pool, _ = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=45)
+    state_idx = torch.tensor([1, -1, 4])
+    ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    ring.phase[2] = 1
+    ring.count[2] = 1  # one older record at position L; the window goes to L + 1 ..
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    pool = pool.to(DEVICE)
+    _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    rec = CompactRecordBuffers.allocate(n, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                   inp["b"], pool, state_idx.to(DEVICE), rec, rec_idx, is_kda=family == "kda")
+    for i, start in ((0, 0), (2, L + 1)):
+        w = slice(start, start + d)
+        assert torch.equal(ring.k_raw[i, w].cpu(), x.k[i]) and torch.equal(ring.v_raw[i, w].cpu(), x.v[i])
+        assert torch.equal(ring.g[i, w], rec.g[i]) and torch.equal(ring.beta[i, w], rec.beta[i])
+    assert (ring.u[1] == 0).all() and (ring.k_raw[1] == 0).all()  # the padding row's slot
+    assert (ring.u[2, :L + 1] == 0).all() and (ring.u[0, d:] == 0).all()
+    assert torch.equal(ring.count, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEVICE))
+
+
+def test_request_count_is_not_a_compile_time_constant():
+    for jit in (replay_verify_kernel, replay_fold_kernel):
+        params = inspect.signature(jit.fn).parameters
+        assert not any(name in params for name in ("N", "B", "batch", "num_requests"))
+    marked = getattr(replay_verify_kernel, "do_not_specialize", None) or replay_verify_kernel.kwargs.get(
+        "do_not_specialize", [])
+    assert {replay_verify_kernel.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
+
+
+def test_window_larger_than_history_is_refused():
+    ring = ReplayRing.allocate(1, 2, 1, 1, 16, 16, False, torch.bfloat16)
+    x = torch.zeros(1, 3, 1, 16)
+    with pytest.raises(ValueError, match="L >= D"):
+        replay_verify(torch.zeros(1), torch.zeros(3, 1), torch.zeros(1), x, x, x, torch.zeros(1, 3, 1),
+                      torch.zeros(1, 1, 16, 16), torch.zeros(1, dtype=torch.int32), ring,
+                      torch.zeros(1, dtype=torch.int32), is_kda=False)
