@@ -3,7 +3,7 @@
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
 #   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
-#         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS)
+#         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS) | bench-replay ($BENCH_REPLAY_ARGS)
 #
 # Unpacks the SGLang 0.5.14 site archive (.gpu/site312.tar.xz, built by ../shared/gpu/build_site.sh),
 # runs the selected parts and writes their logs and results under $OUT (default ./out).
@@ -12,8 +12,8 @@ OUT=${OUT:-$PWD/out}
 PARTS=("${@:-tests}")
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests|tests:*|bench-compact) ;;
-        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact" >&2; exit 2 ;;
+        tests|tests:*|bench-compact|bench-replay) ;;
+        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -41,6 +41,7 @@ for part in "${PARTS[@]}"; do
         tests) run_tests "" || status=1 ;;
         tests:*) run_tests "${part#tests:}" || status=1 ;;
         bench-compact) python3 scripts/bench_compact.py --out "$OUT" ${BENCH_COMPACT_ARGS:-} || status=1 ;;
+        bench-replay) python3 scripts/bench_replay.py --out "$OUT" ${BENCH_REPLAY_ARGS:-} || status=1 ;;
     esac
 done
 exit "$status"

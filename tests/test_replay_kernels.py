@@ -160,3 +160,41 @@ def test_window_larger_than_history_is_refused():
         replay_verify(torch.zeros(1), torch.zeros(3, 1), torch.zeros(1), x, x, x, torch.zeros(1, 3, 1),
                       torch.zeros(1, 1, 16, 16), torch.zeros(1, dtype=torch.int32), ring,
                       torch.zeros(1, dtype=torch.int32), is_kda=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
+@pytest.mark.parametrize("L,d", [(16, 1), (16, 4), (64, 4)])
+def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
+    """Qwen3-Next / Kimi-Linear head shapes: 2·L/d rounds (several folds) of verify + accept; outputs
+    within bf16 output rounding of the float64 truth, materialised state within 1e-5 (float32) or
+    bf16 rounding (bfloat16) of it."""
+    n, kdim, vdim = 9, 128, 128
+    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)
+    gen = torch.Generator().manual_seed(47)
+    pool = pool.to(DEVICE)
+    ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    real = state_idx >= 0
+    truth = pool[state_idx.clamp_min(0)].double().cpu()
+    for _ in range(3 * L // d):
+        need = fold_needed(ring, rec_idx, d)
+        replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
+        after_fold(ring, rec_idx, need)
+        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+        o_ref, _ = chain_verify(truth, x, params, torch.float64)
+        got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
+        assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)
+        accepted = torch.randint(1, d + 1, (n,), generator=gen) * real
+        advance(ring, rec_idx, accepted.to(DEVICE).to(torch.int32))
+        for i in range(n):
+            if accepted[i] > 0:
+                row = LinearAttnInputs(*(t[i:i + 1, :int(accepted[i])] for t in (x.q, x.k, x.v, x.a, x.b)))
+                truth[i] = decode(truth[i:i + 1], row, params, torch.float64)[1][0]
+    mat = torch.zeros_like(pool)
+    replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, torch.ones(n, dtype=torch.bool, device=DEVICE),
+                is_kda=family == "kda", dst=mat, dst_indices=torch.arange(n, device=DEVICE))
+    err = ((mat[:n][real.to(DEVICE)].double().cpu() - truth[real]).abs().max() / truth[real].abs().max()).item()
+    assert err < (1e-5 if state_dtype == torch.float32 else 2e-2)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -44,6 +45,7 @@ def test_bench_compact_report_from_rows(tmp_path):
     assert json.loads((tmp_path / "compact_h200.json").read_text())["rows"] == rows
     table = (tmp_path / "compact_h200.md").read_text()
     assert "| gdn | float32 | 4 | 64 | 100.0 | 50.0 | 2.00× | 70.0 + 30.0 | 30.0 + 20.0 |" in table
+    assert (tmp_path / "compact_h200.png").stat().st_size > 0
 
 
 def test_committed_compact_results_have_the_agreed_fields():
@@ -62,3 +64,42 @@ def test_gpu_suite_names_its_parts_and_needs_the_site_archive(tmp_path):
     proc = _run("bash", "scripts/gpu_suite.sh", "nonsense", env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
     assert proc.returncode == 2
     assert "unknown part 'nonsense'" in proc.stderr
+
+
+import bench_replay  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
+                                 ["--draft-tokens", "0"]])
+def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
+    with pytest.raises(SystemExit) as exc:
+        bench_replay.main(["--out", "/tmp/unused", *bad])
+    assert exc.value.code == 2
+
+
+def test_bench_replay_refuses_to_run_without_a_gpu():
+    proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_bench_replay_report_from_rows(tmp_path):
+    base = dict(family="kda", state_dtype="float32", batch=128, draft_tokens=1, bytes_min=1, bytes_per_request=1,
+                path="p")
+    rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, median_us=140.0, frac_copy_bw=0.9),
+            dict(base, op="decode", impl="ours-replay", history=16, median_us=100.0, frac_copy_bw=0.7),
+            dict(base, op="decode", impl="ours-replay", history=32, median_us=112.0, frac_copy_bw=0.7)]
+    bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, rows=rows), str(tmp_path))
+    table = (tmp_path / "replay_h200.md").read_text()
+    assert "| kda | float32 | 1 | 16 | 128 | 140.0 | 100.0 | 1.40× |" in table
+    assert "| kda | float32 | 1 | 32 | 128 | 140.0 | 112.0 | 1.25× |" in table
+    assert (tmp_path / "replay_h200.png").stat().st_size > 0
+
+
+def test_record_bytes_match_the_sizing_model():
+    from sglang_ssm_modes.sizing.bytes import record_bytes
+
+    for family, kg in (("gdn", 1), ("kda", 128)):
+        hk, hv = bench_replay.FAMILIES[family]["hk"], bench_replay.FAMILIES[family]["hv"]
+        assert bench_replay.record_bytes(family) == record_bytes(
+            "replay", head_k_dim=128, head_v_dim=128, gate_width=kg, activation_dtype=torch.bfloat16,
+            num_v_heads=hv, num_k_heads=hk)

@@ -1,0 +1,64 @@
+"""Shared pieces of the GPU benchmarks: shapes, the copy-bandwidth ceiling, random inputs and
+CUDA-graph timing over rotating state slots."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+FAMILIES = {"gdn": dict(hk=16, hv=32), "kda": dict(hk=32, hv=32)}  # Qwen3-Next-80B / Kimi-Linear-48B, TP 1
+K = V = 128
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TARGET_BYTES = 1 << 30  # rotate over about 1 GiB of state so L2 (50 MB) never holds it
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device copy bandwidth (read + write bytes per second) of a 2 GiB device-to-device copy."""
+    src = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); dst.copy_(src); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def make_inputs(family, batch, d, act, gen):
+    hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
+    t = batch * d
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device="cuda").to(act)
+
+    a = rn(t, hv * K) if family == "kda" else rn(t, hv)
+    A_log = torch.log(torch.empty(hv, device="cuda").uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(hv * K if family == "kda" else hv, generator=gen, device="cuda") * 0.1 - 4
+    return dict(q=rn(1, t, hk, K), k=rn(1, t, hk, K), v=rn(1, t, hv, V), a=a, b=rn(1, t, hv), A_log=A_log, dt_bias=dt_bias)
+
+
+def time_graph(fn, rounds: int, repeats: int = 20) -> float:
+    """Median µs per round of ``fn(r)`` for r in 0..rounds-1, captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for r in range(rounds):
+            fn(r)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(rounds):
+            fn(r)
+    g.replay(); torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / rounds)
+    return statistics.median(times)
+
+

@@ -1,0 +1,209 @@
+"""Benchmark: replay mode against SGLang 0.5.14's native kernels, side by side in one run on one GPU.
+
+* ``decode`` (one token per request): native = SGLang's default decode kernel
+  (``fused_recurrent_gated_delta_rule_packed_decode`` for GDN, ``fused_recurrent_kda_packed_decode``
+  for KDA; state read + written), replay = masked fold of the requests whose history is full,
+  output-only verify of one token, cursor advance.
+* ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
+  KDA ours); replay = masked fold, output-only verify of D tokens, cursor advance.
+
+Cursors start spread over the ring (request i has ``i mod L`` records), so folds are amortised as in
+serving; every timed step includes the fold launch and its share of folding work. Timing: CUDA-graph
+replay of R steps, each on its own group of slots, median over repeats, divided by R. ``path`` says
+which kernels ran. Bytes: native moves 2 states per decode step; replay reads the checkpoint, its
+history records and writes one record per token, plus the amortised fold (read records + read and
+write the state once per L tokens).
+
+Usage (GPU): python3 scripts/bench_replay.py --out DIR [--batches ...] [--histories 16 32 64] [--draft-tokens 1 2 4]
+Writes DIR/replay_h200.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+from bench_common import DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, time_graph
+
+
+def record_bytes(family: str, act_bytes: int = 2) -> int:
+    """One token's replay record per request and layer: u, normalised k, g, beta, raw k, raw v."""
+    hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
+    kg = K if family == "kda" else 1
+    return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
+
+
+def bench_case(family, dtype_name, batch, d, history, copy_bw):
+    from sglang.srt.layers.attention.fla.fused_recurrent import (
+        fused_recurrent_gated_delta_rule_packed_decode, fused_recurrent_kda_packed_decode)
+    from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+    from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
+
+    from sglang_ssm_modes.ops.native import native_verify
+    from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
+
+    sd = DTYPES[dtype_name]
+    hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
+    is_kda = family == "kda"
+    state_bytes = hv * V * K * sd.itemsize
+    rounds = max(2, min(64, TARGET_BYTES // (batch * state_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(batch * 100 + d * 10 + history)
+    x = make_inputs(family, batch, d, torch.bfloat16, gen)
+    pool = (0.1 * torch.randn(rounds * batch + 1, hv, V, K, generator=gen, device="cuda")).to(sd)
+    groups = [torch.arange(r * batch, (r + 1) * batch, dtype=torch.int32, device="cuda") for r in range(rounds)]
+    ring = ReplayRing.allocate(rounds * batch, history, hk, hv, K, V, is_kda, torch.bfloat16, "cuda")
+    ring.count.copy_(torch.arange(rounds * batch, device="cuda") % max(1, history - d + 1))  # spread cursors
+    accepted = torch.randint(1, d + 1, (batch,), generator=gen, device="cuda").to(torch.int32)
+    last = (accepted - 1).to(torch.int64)
+    rows = []
+    rec = record_bytes(family)
+    fold_share = 1.0 / max(1, history - d + 1)  # requests folding per step (spread cursors)
+
+    def replay_step(r):
+        need = fold_needed(ring, groups[r], d)
+        replay_fold(pool, groups[r], ring, groups[r], need, is_kda=is_kda)
+        after_fold(ring, groups[r], need)
+        replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
+                      groups[r], is_kda=is_kda)
+        advance(ring, groups[r], accepted)
+
+    mean_hist = (history - d + 1) / 2
+    replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
+                            + fold_share * (2 * state_bytes + history * rec))
+    if d == 1:
+        mixed = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)[0]
+        out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
+        a2 = x["a"].reshape(batch, -1)
+        b2 = x["b"].reshape(batch, -1)
+        decode_fn = fused_recurrent_kda_packed_decode if is_kda else fused_recurrent_gated_delta_rule_packed_decode
+
+        def native_step(r):
+            decode_fn(mixed_qkv=mixed, a=a2, b=b2, A_log=x["A_log"], dt_bias=x["dt_bias"], scale=K ** -0.5,
+                      initial_state=pool, out=out, ssm_state_indices=groups[r], use_qk_l2norm_in_kernel=True)
+
+        native = ("decode", "sglang-0.5.14-native", native_step, 2 * batch * state_bytes,
+                  f"{decode_fn.__name__}")
+    else:
+        inter = torch.zeros(batch, d, hv, V, K, dtype=sd, device="cuda")
+        inter_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, batch * d + 1, d, dtype=torch.int32, device="cuda")
+
+        def native_step(r):
+            if is_kda:
+                native_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
+                              inter, inter_idx, is_kda=True)
+            else:
+                fused_sigmoid_gating_delta_rule_update(
+                    A_log=x["A_log"], dt_bias=x["dt_bias"], softplus_beta=1.0, softplus_threshold=20.0,
+                    q=x["q"], k=x["k"], v=x["v"], a=x["a"], b=x["b"], initial_state_source=pool,
+                    initial_state_indices=groups[r], use_qk_l2norm_in_kernel=True, cu_seqlens=cu, is_kda=False,
+                    disable_state_update=True, intermediate_states_buffer=inter, intermediate_state_indices=inter_idx,
+                    cache_steps=d)
+            fused_mamba_state_scatter_with_mask(pool[None], inter[None], groups[r], last)
+
+        native = ("spec_round", "ours-native" if is_kda else "sglang-0.5.14-native", native_step,
+                  batch * (1 + d + 2) * state_bytes, "verify(intermediate states)+fused_mamba_state_scatter_with_mask")
+    op, impl, fn, nbytes, path = native
+    native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
+    for impl_, fn_, nbytes_, path_, per_req in (
+            (impl, fn, nbytes, path, native_per_req),
+            ("ours-replay", replay_step, replay_bytes, "fold_needed+replay_fold(masked)+replay_verify(inline)+advance",
+             state_bytes + 2 * history * rec + 8)):
+        us = time_graph(fn_, rounds)
+        rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
+                         history=history if impl_ == "ours-replay" else None, median_us=round(us, 2),
+                         bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
+                         bytes_per_request=int(per_req), path=path_))
+    del pool, ring
+    torch.cuda.empty_cache()
+    return rows
+
+
+def write_report(result, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "replay_h200.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    rows = result["rows"]
+    key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
+    nat = {key(r): r for r in rows if r["impl"] != "ours-replay"}
+    lines = [f"# Replay vs native — {result['gpu']}, {result['date']}, commit {result['commit']}", "",
+             f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / replay µs (same run). "
+             "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
+             "| family | state | D | L | batch | native µs | replay µs | speedup | native frac bw | replay frac bw |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"])):
+        n = nat[key(r)]
+        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
+                     f"{n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
+                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} |")
+    with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted({r["family"] for r in rows})
+    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4), sharey=True, squeeze=False)
+    for ax, fam in zip(axes[0], families):
+        series = sorted({(r["state_dtype"], r["draft_tokens"], r["history"]) for r in rows
+                         if r["impl"] == "ours-replay" and r["family"] == fam})
+        for dt, d, L in series:
+            pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
+                         if r["impl"] == "ours-replay" and r["family"] == fam and r["state_dtype"] == dt
+                         and r["draft_tokens"] == d and r["history"] == L)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} D={d} L={L}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{fam.upper()}: native / replay")
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("speedup (×)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "replay_h200.png"), dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
+    p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    args = p.parse_args(argv)
+    if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
+        p.error("batches and draft tokens must be >= 1")
+    bad = [(L, d) for L in args.histories for d in args.draft_tokens if L < d or L not in (8, 16, 32, 64)]
+    if bad:
+        p.error(f"each history must be one of 8, 16, 32, 64 and >= every draft-token count; bad (L, D): {bad}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    from tqdm import tqdm
+
+    bw = copy_bandwidth_gbps()
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=args.commit,
+                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, rows=[])
+    cases = [(f, dt, b, d, L) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens
+             for L in args.histories for b in args.batches]
+    os.makedirs(args.out, exist_ok=True)
+    for case in tqdm(cases, desc="replay bench", mininterval=5):
+        new = bench_case(*case, bw)
+        # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
+        result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
+            o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
+            (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"]) for o in result["rows"])]
+        with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:
+            json.dump(result, f)
+    write_report(result, args.out)
+    print(open(os.path.join(args.out, "replay_h200.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
