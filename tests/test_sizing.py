@@ -111,8 +111,8 @@ def test_gqa_keys_counted_per_key_head():
     # record: raw k HK*K*2 = 64, raw v HV*V*2 = 512, decay HV*4 = 32, beta HV*4 = 32 -> 640
     assert compact.scratch == 3 * 640
     assert compact.state == 8 * 32 * 16 * 4
-    # conv: (2*HK*K + HV*V) = 320 channels, K-1 + D-1 = 5 columns, bf16
-    assert compact.conv == 320 * 5 * 2
+    # conv ring: (2*HK*K + HV*V) = 320 channels, K-1 + D = 6 columns, bf16
+    assert compact.conv == 320 * 6 * 2
     replay = layer_bytes(GQA, SSMModeConfig(mode="replay", replay_history=8, draft_tokens=3,
                                             state_dtype=fp32))
     # replay record: 640 + u HV*V*4 = 1024 + normalised k HK*K*4 = 128 -> 1792; 16 records + 8
@@ -177,7 +177,7 @@ def test_compact_and_replay_conv_keep_rollback_columns():
     shape = BUILTIN_SHAPES["qwen3-next-80b"]
     for mode in ("compact", "replay"):
         cost = request_bytes(shape, SSMModeConfig(mode=mode, draft_tokens=4))
-        assert cost.conv == 36 * 8192 * (3 + 3) * 2
+        assert cost.conv == 36 * 8192 * (3 + 4) * 2
         assert cost.conv_scratch == 0
 
 
@@ -251,11 +251,11 @@ def test_capacity_monotone_in_budget_and_compact_beats_native():
         assert n >= last and c > n
         last = n
     # hand figures at 20 GiB: native per layer 5 states of 512 KiB + conv 12288 + conv scratch
-    # 24576; compact per layer 1 state + 4 records of 3136 + conv 24576; 36 layers
+    # 24576; compact per layer 1 state + 4 records of 3136 + conv ring 2048 x 7 x 2 = 28672; 36 layers
     assert native.total == 36 * (5 * 524288 + 12288 + 24576)
-    assert compact.total == 36 * (524288 + 4 * 3136 + 24576)
+    assert compact.total == 36 * (524288 + 4 * 3136 + 28672)
     assert fit_pool(20 * GIB, native).max_running_requests == 20 * GIB // native.total == 224
-    assert fit_pool(20 * GIB, compact).max_running_requests == 20 * GIB // compact.total == 1062
+    assert fit_pool(20 * GIB, compact).max_running_requests == 20 * GIB // compact.total == 1054
 
 
 def test_capacity_mirrors_sglang_ratio_formula():
@@ -302,7 +302,7 @@ def test_cli_table_contains_every_mode(capsys):
     rows = {line.split()[0] + ":" + line.split()[1]: line.split()
             for line in out.splitlines() if line.split()[:1] in (["native"], ["compact"], ["replay"])}
     assert set(rows) == {"native:-", "compact:-", "replay:16", "replay:32", "replay:64"}
-    assert rows["native:-"][6] == "224" and rows["compact:-"][6] == "1062"
+    assert rows["native:-"][6] == "224" and rows["compact:-"][6] == "1054"
     assert "shape from: Qwen3-Next-80B-A3B" in out
 
 
@@ -312,10 +312,10 @@ def test_cli_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert [r["mode"] for r in report["rows"]] == ["native", "compact", "replay"]
     compact = report["rows"][1]
-    # 20 layers, 16 heads per rank: state 16*128*128*4; 4 records of 16*1028; conv 6144 x 6 x 2
+    # 20 layers, 16 heads per rank: state 16*128*128*4; 4 records of 16*1028; conv 6144 x 7 x 2
     assert compact["state_bytes"] == 20 * 16 * 128 * 128 * 4
     assert compact["scratch_bytes"] == 20 * 4 * 16 * 1028
-    assert compact["conv_bytes"] == 20 * 6144 * 6 * 2
+    assert compact["conv_bytes"] == 20 * 6144 * 7 * 2
     assert compact["max_running_requests"] == 20 * GIB // compact["total_bytes"]
 
 

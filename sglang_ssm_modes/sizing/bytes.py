@@ -7,8 +7,9 @@ What each mode persists (DESIGN §2, §3), per request and linear layer:
   adds ``intermediate_ssm`` (D states) and ``intermediate_conv_window`` — deduplicated to
   ``[conv_dim, D + conv_kernel - 2]`` for a linear draft chain (topk <= 1) on CUDA, dense
   ``[D, conv_dim, conv_kernel - 1]`` for EAGLE tree verify (``conv_window_dedup_enabled``).
-* ``compact``: S, D records and a conv window with D - 1 extra columns for rollback
-  ``[conv_dim, conv_kernel - 1 + D - 1]``. A record is raw k (per *key* head) and raw v in the
+* ``compact``: S, D records and a conv ring of ``conv_kernel - 1 + D`` columns
+  (``reference.conv.ring_width``: the committed window plus room for a whole verify window, so
+  verify never overwrites a committed column and commit is an offset move). A record is raw k (per *key* head) and raw v in the
   activation dtype, the decay (fp32; 1 value per value head for GDN, K for KDA) and β (fp32).
 * ``replay``: the S checkpoint, a ring of 2·L records, 8 B of cursors and the same conv window as
   compact. A record is u (V, fp32), the normalised k (K, fp32, per key head), the decay, raw k,
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SSMModeConfig
+from ..reference.conv import ring_width
 from .shapes import LinearAttnShape, local_shape
 
 CURSOR_BYTES = 8
@@ -145,7 +147,7 @@ def layer_bytes(shape: LinearAttnShape, cfg: SSMModeConfig, *, tp: int = 1,
                        activation_dtype=cfg.activation_dtype,
                        num_v_heads=loc.num_v_heads, num_k_heads=loc.num_k_heads)
     scratch = cfg.ring_records * rec + (CURSOR_BYTES if cfg.mode == "replay" else 0)
-    conv = loc.conv_dim * (kc - 1 + d - 1) * conv_item
+    conv = loc.conv_dim * ring_width(kc, d) * conv_item
     return ModeBytes(state=state, scratch=scratch, conv=conv)
 
 

@@ -17,25 +17,27 @@ from .records import CompactRecordBuffers
 
 @triton.jit
 def compact_commit_kernel(
-    h0_source, h0_indices, rec_k, rec_v, rec_g, rec_beta, rec_indices, last_index,
+    h0_source, h0_indices, dst, dst_indices, rec_k, rec_v, rec_g, rec_beta, rec_indices, last_index,
     parents, stride_parents_seq, stride_parents_tok,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, NP2_D: tl.constexpr,
     IS_KDA: tl.constexpr, IS_TREE: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV)``. ``h0_source`` ``[slots, HV, V, K]`` is updated in place at
-    ``h0_indices`` ``[N]`` for requests whose ``last_index`` ``[N]`` (window index of the last accepted
-    node; accepted length - 1 for a chain) is >= 0 and whose slot and record slot ``rec_indices`` ``[N]``
-    are >= 0; every other row (padding, nothing accepted) is left untouched. Records as
+    """Grid ``(cdiv(V, BV), N * HV)``. Reads ``h0_source`` ``[slots, HV, V, K]`` at ``h0_indices`` ``[N]``
+    and writes ``dst`` (the same pool for a commit, another slot for a tracked snapshot) at
+    ``dst_indices`` ``[N]`` for requests whose ``last_index`` ``[N]`` (window index of the last accepted
+    node; accepted length - 1 for a chain) is >= 0 and whose slots and record slot ``rec_indices``
+    ``[N]`` are >= 0; every other row (padding, nothing accepted) is left untouched. Records as
     :class:`CompactRecordBuffers`; ``parents`` ``[N, D]`` for a tree.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     idx = tl.load(h0_indices + i_n).to(tl.int64)
+    di = tl.load(dst_indices + i_n).to(tl.int64)
     r = tl.load(rec_indices + i_n).to(tl.int64)
     last = tl.load(last_index + i_n).to(tl.int32)
-    if (idx >= 0) & (r >= 0) & (last >= 0):
+    if (idx >= 0) & (di >= 0) & (r >= 0) & (last >= 0):
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         mask_k = o_k < K
@@ -64,13 +66,17 @@ def compact_commit_kernel(
             b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
             if IS_TREE:
                 b_h = b_h.to(h0_source.dtype.element_ty).to(tl.float32)
-        tl.store(p_h0, b_h.to(p_h0.dtype.element_ty), mask=mask_h)
+        p_dst = dst + di * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
+        tl.store(p_dst, b_h.to(p_dst.dtype.element_ty), mask=mask_h)
 
 
 def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, records: CompactRecordBuffers,
                    record_indices: torch.Tensor, last_index: torch.Tensor, *, is_kda: bool,
-                   retrieve_parent_token: torch.Tensor | None = None) -> None:
-    """Commit accepted prefixes into the state pool ``ssm_states`` ``[slots, HV, V, K]`` in place.
+                   retrieve_parent_token: torch.Tensor | None = None, dst_states: torch.Tensor | None = None,
+                   dst_indices: torch.Tensor | None = None) -> None:
+    """Commit accepted prefixes into the state pool ``ssm_states`` ``[slots, HV, V, K]`` in place, or
+    (``dst_states`` / ``dst_indices``) write the state after node ``last_index`` into other slots — a
+    tracked snapshot for the radix cache — leaving ``ssm_states`` as it is.
 
     ``last_index`` ``[N]`` is SGLang's ``last_correct_step_indices`` (window index of the last accepted
     node; -1 keeps the state). ``state_indices`` / ``record_indices`` ``[N]``: pool slot / record slot
@@ -85,7 +91,8 @@ def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, record
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     grid = (triton.cdiv(vdim, BV), n * hv)
     compact_commit_kernel[grid](
-        ssm_states, state_indices, records.k, records.v, records.g, records.beta, record_indices, last_index,
+        ssm_states, state_indices, ssm_states if dst_states is None else dst_states,
+        state_indices if dst_indices is None else dst_indices, records.k, records.v, records.g, records.beta, record_indices, last_index,
         parents, parents.stride(0) if tree else 0, parents.stride(1) if tree else 0,
         H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=records.draft_tokens,
         NP2_D=triton.next_power_of_2(records.draft_tokens), IS_KDA=is_kda, IS_TREE=tree, num_warps=1, num_stages=3)

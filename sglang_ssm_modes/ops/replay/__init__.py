@@ -3,7 +3,7 @@ exact fold (also the materialise of a committed state), and the ring with its cu
 plain-torch reference beside them is :mod:`sglang_ssm_modes.reference.replay`."""
 
 from .fold import replay_fold
-from .ring import ReplayRing, advance, after_fold, fold_needed
+from .ring import ReplayRing, advance, after_fold, clear_history, fold_needed
 from .verify import replay_verify
 
-__all__ = ["ReplayRing", "advance", "after_fold", "fold_needed", "replay_fold", "replay_verify"]
+__all__ = ["ReplayRing", "advance", "after_fold", "clear_history", "fold_needed", "replay_fold", "replay_verify"]

@@ -21,14 +21,15 @@ from .ring import ReplayRing
 @triton.jit
 def replay_fold_kernel(
     src, src_indices, dst, dst_indices, mask,
-    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices,
+    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, lengths,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, IS_KDA: tl.constexpr,
+    L: tl.constexpr, IS_KDA: tl.constexpr, HAS_LENGTHS: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``. For each request n with ``mask[n]`` and non-negative
     ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``: ``dst[dst_indices[n]]`` (``[slots, HV, V,
-    K]``, any float dtype) = ``src[src_indices[n]]`` advanced over the ``count`` records of the ring
-    slot. Every program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``."""
+    K]``, any float dtype) = ``src[src_indices[n]]`` advanced over the ring slot's first ``count``
+    records (or ``lengths[n]``: e.g. into the window just verified, for a tracked snapshot). Every
+    program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -45,7 +46,11 @@ def replay_fold_kernel(
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(src + si * HV * K * V + tile, mask=mask_h, other=0).to(tl.float32)
         rec0 = r * 2 * L + tl.load(r_phase + r).to(tl.int64) * L
-        for j in range(0, tl.load(r_count + r)):
+        if HAS_LENGTHS:
+            n_rec = tl.load(lengths + i_n)
+        else:
+            n_rec = tl.load(r_count + r)
+        for j in range(0, n_rec):
             pos = rec0 + j
             b_k = l2normalize(tl.load(r_kraw + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
             b_v = tl.load(r_vraw + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
@@ -61,17 +66,20 @@ def replay_fold_kernel(
 
 def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
                 record_indices: torch.Tensor, mask: torch.Tensor, *, is_kda: bool,
-                dst: torch.Tensor | None = None, dst_indices: torch.Tensor | None = None) -> None:
+                dst: torch.Tensor | None = None, dst_indices: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> None:
     """Fold (``dst`` None: in place into ``checkpoints``) or materialise (into ``dst`` at
     ``dst_indices``) the histories of the requests selected by ``mask`` ``[N]`` (bool). The cursor is
     not changed: after an in-place fold call :func:`~.ring.after_fold`; a materialise leaves
-    checkpoint and history as they were."""
+    checkpoint and history as they were. ``lengths`` ``[N]`` replays that many records instead of the
+    cursor's count (records past the cursor: the window just verified)."""
     n = state_indices.shape[0]
     hv, vdim, kdim = checkpoints.shape[1:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv)](
         checkpoints, state_indices, checkpoints if dst is None else dst,
         state_indices if dst_indices is None else dst_indices, mask,
-        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
+        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices, lengths,
         H=ring.k_raw.shape[2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
+        HAS_LENGTHS=lengths is not None,
         num_warps=1, num_stages=3)

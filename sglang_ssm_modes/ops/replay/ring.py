@@ -83,10 +83,22 @@ def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> 
     return (record_indices >= 0) & (ring.count[slots] + window > ring.history)
 
 
-def after_fold(ring: ReplayRing, record_indices: torch.Tensor, folded: torch.Tensor) -> None:
-    """Cursor update once a fold of ``folded`` ``[N]`` requests has completed: empty history, other
-    half. Per-slot masks (``index_add_`` of 0/1) keep padding rows, which share index 0, harmless."""
+def _slot_mask(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """``[R]`` bool over ring slots: selected rows with a non-negative slot. Built with ``index_add_``
+    of 0/1 so padding rows (which share index 0) cannot overwrite a real row's entry."""
     rows = record_indices.clamp_min(0).long()
-    hit = torch.zeros_like(ring.count).index_add_(0, rows, (folded & (record_indices >= 0)).to(ring.count.dtype)) > 0
+    return torch.zeros_like(ring.count).index_add_(0, rows, (selected & (record_indices >= 0)).to(ring.count.dtype)) > 0
+
+
+def after_fold(ring: ReplayRing, record_indices: torch.Tensor, folded: torch.Tensor) -> None:
+    """Cursor update once a fold of ``folded`` ``[N]`` requests has completed: empty history, other half."""
+    hit = _slot_mask(ring, record_indices, folded)
     ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
     ring.phase.copy_(torch.where(hit, 1 - ring.phase, ring.phase))
+
+
+def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor) -> None:
+    """Empty the histories of the selected slots (a slot that just received a materialised state)."""
+    hit = _slot_mask(ring, record_indices, selected)
+    ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
+    ring.phase.copy_(torch.where(hit, torch.zeros_like(ring.phase), ring.phase))

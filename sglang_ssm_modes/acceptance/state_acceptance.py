@@ -1,0 +1,93 @@
+"""``StateAcceptance``: the one commit step after a speculative verify, for every mode.
+
+It stands behind both of SGLang 0.5.14's commit points — ``spec_utils.commit_mamba_states_after_verify``
+(EAGLE v2 / NEXTN, NGRAM) and ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify`` (called
+by the former, and directly by e.g. DFLASH) — and takes what they carry: per request, in the forward's
+order, the window index of the last accepted node (``last_correct_step_indices``: accepted length - 1
+with the base token counted; -1 = nothing), plus the radix cache's tracked snapshots
+(``mamba_track_indices``, ``mamba_steps_to_track``, extra_buffer strategy).
+
+* native: SGLang's copies of stored per-step states (``fused_mamba_state_scatter_with_mask``);
+* compact: re-run of the accepted prefix from the records, one state write, bit-identical to native;
+  tracked snapshots are written from the same records into their slots *before* the commit;
+* replay: the cursor moves (``count += n``); tracked snapshots are materialised from checkpoint +
+  records into their slots.
+
+Each model (target, draft) has its own pool and so its own ``StateAcceptance``: their commit records
+never mix. Only device ops: no host synchronisation. The conv window's commit is SGLang's for native;
+for compact and replay it follows the conv-window work (not wired here yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.compact import compact_commit
+from ..ops.replay import advance, clear_history, replay_fold
+from ..pool import ModeMambaPool
+
+
+class StateAcceptance:
+    """Commit accepted drafts into ``pool``'s state, in its mode."""
+
+    def __init__(self, pool: ModeMambaPool):
+        self.pool = pool
+        self.mode = pool.mode_config.mode
+        self.is_kda = pool.heads.family == "kda"
+
+    def commit(self, state_indices: torch.Tensor, last_index: torch.Tensor, *,
+               track_indices: torch.Tensor | None = None, steps_to_track: torch.Tensor | None = None,
+               retrieve_parent_token: torch.Tensor | None = None,
+               record_indices: torch.Tensor | None = None) -> None:
+        """Commit every linear layer. ``state_indices`` ``[N]``: pool slots (< 0: padding);
+        ``last_index`` ``[N]``; ``track_indices`` / ``steps_to_track`` ``[N]``: snapshot slot and window
+        index to snapshot (< 0: none); ``retrieve_parent_token`` ``[N, D]`` for tree verify;
+        ``record_indices``: compact record slots (default: batch positions 0..N-1, as SGLang indexes
+        ``intermediate_ssm``); replay records live with the pool slot."""
+        if (track_indices is None) != (steps_to_track is None):
+            raise ValueError("mamba_track_indices and mamba_steps_to_track come together")
+        n = state_indices.shape[0]
+        if record_indices is None:
+            record_indices = torch.arange(n, dtype=torch.int32, device=state_indices.device)
+        temporal = self.pool.mamba_cache.temporal
+        for layer in range(self.pool.num_mamba_layers):
+            if self.mode == "native":
+                inter = self.pool.mamba_cache.intermediate_ssm[layer]
+                if track_indices is not None:
+                    _scatter_steps(temporal[layer], inter, track_indices, steps_to_track)
+                _scatter_steps(temporal[layer], inter, state_indices, last_index)
+            elif self.mode == "compact":
+                rec = self.pool.layer_records(layer)
+                if track_indices is not None:
+                    compact_commit(temporal[layer], state_indices, rec, record_indices, steps_to_track,
+                                   is_kda=self.is_kda, retrieve_parent_token=retrieve_parent_token,
+                                   dst_states=temporal[layer], dst_indices=track_indices)
+                compact_commit(temporal[layer], state_indices, rec, record_indices, last_index, is_kda=self.is_kda,
+                               retrieve_parent_token=retrieve_parent_token)
+            else:
+                if retrieve_parent_token is not None:
+                    raise ValueError("replay commits chains only; tree verify goes through compact's path")
+                ring = self.pool.layer_ring(layer)
+                if track_indices is not None:
+                    slots = state_indices.clamp_min(0).long()
+                    lengths = ring.count[slots] + steps_to_track.to(ring.count.dtype) + 1
+                    tracked = (steps_to_track >= 0) & (track_indices >= 0)
+                    replay_fold(temporal[layer], state_indices, ring, state_indices, tracked, is_kda=self.is_kda,
+                                dst=temporal[layer], dst_indices=track_indices, lengths=lengths)
+                    clear_history(ring, track_indices, tracked)
+                advance(ring, state_indices, (last_index + 1).to(torch.int32))
+
+
+def _scatter_steps(states: torch.Tensor, intermediate: torch.Tensor, dst_indices: torch.Tensor,
+                   steps: torch.Tensor) -> None:
+    """``states[dst[i]] = intermediate[i, steps[i]]`` where both are >= 0: SGLang's
+    ``fused_mamba_state_scatter_with_mask`` on CUDA; the same bit copy in torch elsewhere (the
+    wrapper refuses CPU tensors)."""
+    if states.is_cuda:
+        from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
+
+        fused_mamba_state_scatter_with_mask(states[None], intermediate[None], dst_indices, steps)
+        return
+    valid = (dst_indices >= 0) & (steps >= 0)
+    rows = torch.arange(steps.shape[0], device=steps.device)[valid]
+    states[dst_indices[valid].long()] = intermediate[rows, steps[valid].long()]

@@ -1,0 +1,97 @@
+"""``StateAcceptance`` over random speculative rounds, in every mode, against the native pool: the
+whole state tensor (committed slots, tracked snapshots, padding and untouched slots) compared —
+compact bit for bit, replay after materialising within float32 rounding."""
+
+import pytest
+import torch
+from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+
+from kernel_cases import flat_inputs, to_device
+from sglang_ssm_modes.acceptance import StateAcceptance
+from sglang_ssm_modes.ops.compact import compact_verify
+from sglang_ssm_modes.ops.replay import after_fold, fold_needed, replay_fold, replay_verify
+from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
+from test_mode_pool import HK, HV, KD, LAYERS, VD, cuda_scratch_on_cpu, make_pool  # noqa: F401
+
+N, D, SIZE = 5, 3, 9
+
+
+def _verify(pool, layer, params, inp, state_idx):
+    temporal = pool.mamba_cache.temporal[layer]
+    args = (params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"])
+    batch = torch.arange(N, dtype=torch.int32)
+    if pool.mode_config.mode == "native":
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=params.A_log, dt_bias=params.dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
+            initial_state_source=temporal, initial_state_indices=state_idx, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=torch.arange(0, N * D + 1, D, dtype=torch.int32), disable_state_update=True,
+            intermediate_states_buffer=pool.mamba_cache.intermediate_ssm[layer], intermediate_state_indices=batch,
+            cache_steps=D, **inp)
+    elif pool.mode_config.mode == "compact":
+        compact_verify(*args, temporal, state_idx, pool.layer_records(layer), batch, is_kda=False)
+    else:
+        ring = pool.layer_ring(layer)
+        need = fold_needed(ring, state_idx, D)
+        replay_fold(temporal, state_idx, ring, state_idx, need, is_kda=False)
+        after_fold(ring, state_idx, need)
+        replay_verify(*args, temporal, state_idx, ring, state_idx, is_kda=False)
+
+
+def _materialised(pool):
+    """Every slot's committed state (replay: checkpoint folded with its history, in a copy)."""
+    out = pool.mamba_cache.temporal.clone()
+    if pool.mode_config.mode == "replay":
+        slots = torch.arange(SIZE + 1, dtype=torch.int32)
+        for layer in range(LAYERS):
+            replay_fold(pool.mamba_cache.temporal[layer], slots, pool.layer_ring(layer), slots,
+                        torch.ones(SIZE + 1, dtype=torch.bool), is_kda=False, dst=out[layer], dst_indices=slots)
+    return out
+
+
+@pytest.mark.usefixtures("cuda_scratch_on_cpu")
+def test_acceptance_rounds_agree_with_native_in_every_mode():
+    pools = {m: make_pool(m, draft_tokens=D, size=SIZE, history=8) for m in ("native", "compact", "replay")}
+    gen = torch.Generator().manual_seed(61)
+    init = torch.randn(LAYERS, SIZE + 1, HV, VD, KD, generator=gen) * 0.3
+    for pool in pools.values():
+        pool.mamba_cache.temporal.copy_(init)
+    params = [random_gate_params("gdn", HV, KD, gen) for _ in range(LAYERS)]
+    state_idx = torch.tensor([4, 1, -1, 0, 3], dtype=torch.int32)  # slot -1: a padding row
+    for rnd in range(4):
+        xs = [random_inputs("gdn", N, D, HK, HV, KD, VD, gen, torch.bfloat16) for _ in range(LAYERS)]
+        for pool in pools.values():
+            for layer in range(LAYERS):
+                _verify(pool, layer, params[layer], to_device(flat_inputs(xs[layer], "gdn", N, D), "cpu"), state_idx)
+        last = torch.randint(-1, D, (N,), generator=gen)
+        last[2] = D - 1  # the padding row claims a full acceptance: nothing may change
+        last[0] = D - 1
+        track = torch.tensor([6 + rnd % 2, -1, -1, 8, 5], dtype=torch.int32)  # snapshot slots 5..8 (none for padding)
+        steps = torch.minimum(torch.randint(0, D, (N,), generator=gen), last.clamp_min(0))
+        steps[1] = -1
+        for pool in pools.values():
+            StateAcceptance(pool).commit(state_idx, last, track_indices=track, steps_to_track=steps)
+        native = pools["native"].mamba_cache.temporal
+        diff = (pools["compact"].mamba_cache.temporal != native).flatten(2).any(-1)
+        assert not diff.any(), f"round {rnd}: slots differing per layer {diff.nonzero().tolist()}"
+        replay = _materialised(pools["replay"])
+        assert ((replay - native).abs().max() / native.abs().max()).item() < 1e-5, f"round {rnd}"
+        for state in (native, replay):  # slots nobody owns (2, 9) never change
+            assert torch.equal(state[:, [2, 9]], init[:, [2, 9]])
+    # the replay pool folded at least once, and snapshot slots hold no history
+    rings = pools["replay"].replay_rings
+    assert int(rings.phase.sum()) > 0
+    assert (rings.count[:, [5, 6, 7, 8]] == 0).all()
+
+
+def test_replay_refuses_tree_commits():
+    pool = make_pool("replay", draft_tokens=D, size=SIZE, history=8)
+    with pytest.raises(ValueError, match="tree verify goes through compact"):
+        StateAcceptance(pool).commit(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                                     retrieve_parent_token=torch.zeros(1, D, dtype=torch.int64))
+
+
+def test_track_arguments_come_together():
+    pool = make_pool("compact", draft_tokens=D, size=SIZE)
+    with pytest.raises(ValueError, match="come together"):
+        StateAcceptance(pool).commit(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                                     track_indices=torch.zeros(1, dtype=torch.int32))
