@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize, tree_ancestors
+from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize, store_raw_record, tree_ancestors
 from .compact.records import CompactRecordBuffers
 
 
@@ -102,16 +102,8 @@ def verify_window_kernel(
                                     softplus_beta, softplus_threshold, IS_KDA, BETA_ACTIVATED)
         if WRITE_RECORDS:  # constexpr first: without buffers the branch must not be compiled
             if records:
-                rec_t = r * D + t
-                if writes_k:
-                    tl.store(rec_k + (rec_t * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
-                tl.store(rec_v + (rec_t * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
-                if i_v == 0:
-                    if IS_KDA:
-                        tl.store(rec_g + (rec_t * HV + i_hv) * K + o_k, b_g, mask=mask_k)
-                    else:
-                        tl.store(rec_g + rec_t * HV + i_hv, b_g)
-                    tl.store(rec_beta + rec_t * HV + i_hv, b_beta)
+                store_raw_record(rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, i_v == 0, writes_k, o_k, o_v,
+                                 mask_k, mask_v, b_k_raw, b_v_raw, b_g, b_beta, H, HV, K, V, IS_KDA)
         if IS_TREE:
             anc, depth = tree_ancestors(parents + i_n * stride_parents_seq, stride_parents_tok, t, T, NP2_D)
             b_h = b_h0

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import gate_and_beta, l2normalize
+from ..delta_rule_step import gate_and_beta, l2normalize, store_raw_record
 from .ring import ReplayRing
 
 
@@ -131,16 +131,10 @@ def replay_verify_kernel(
         if valid:
             pos = rec0 + c + t
             tl.store(r_u + (pos * HV + i_hv) * V + o_v, b_u, mask=mask_v)
-            tl.store(r_vraw + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
             if writes_k:
                 tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k, mask=mask_k)
-                tl.store(r_kraw + (pos * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
-            if i_v == 0:
-                if IS_KDA:
-                    tl.store(r_g + (pos * HV + i_hv) * K + o_k, b_g, mask=mask_k)
-                else:
-                    tl.store(r_g + pos * HV + i_hv, b_g)
-                tl.store(r_beta + pos * HV + i_hv, b_beta)
+            store_raw_record(r_kraw, r_vraw, r_g, r_beta, pos, i_h, i_hv, i_v == 0, writes_k, o_k, o_v, mask_k,
+                             mask_v, b_k_raw, b_v_raw, b_g, b_beta, H, HV, K, V, IS_KDA)
         tl.debug_barrier()  # this program reads its own u stores back for the next token
 
 
