@@ -1,0 +1,1 @@
+"""SGLang glue: the plugin entry point and the server flags (imports SGLang)."""

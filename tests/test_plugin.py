@@ -1,0 +1,112 @@
+"""The SGLang plugin: discovered by SGLang's own loader, flags on SGLang's real parser and
+``prepare_server_args`` (in subprocesses, so hooks never leak into other tests), validation at startup."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang_ssm_modes.config import SSMModeConfigError
+from sglang_ssm_modes.integration.cli_args import resolve_ssm_mode
+
+QWEN3_NEXT_SMALL = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256,
+    "num_hidden_layers": 8, "full_attention_interval": 4, "linear_num_value_heads": 8,
+    "linear_num_key_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1000,
+}
+SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"]
+
+CASES = {  # name: (extra argv, env)
+    "default": ([], {}),
+    "compact_spec": (["--ssm-state-mode", "compact", *SPEC], {}),
+    "replay_alias": (["--enable-linear-replayssm", "--linear-replayssm-cache-len", "32", *SPEC], {}),
+    "env": ([], {"SGLANG_SSM_STATE_MODE": "replay", "SGLANG_SSM_REPLAY_HISTORY": "8"}),
+    "history_too_small": (["--ssm-state-mode", "replay", "--ssm-replay-history", "8", *SPEC[:2],
+                           "--speculative-num-steps", "15", "--speculative-eagle-topk", "1",
+                           "--speculative-num-draft-tokens", "16"], {}),
+    "alias_conflict": (["--enable-linear-replayssm", "--ssm-state-mode", "compact"], {}),
+    "replay_spec_flag": (["--enable-linear-replayssm-spec"], {}),
+}
+
+DRIVER = textwrap.dedent("""
+    import contextlib, io, json, os, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    model, cases = sys.argv[1], json.loads(sys.argv[2])
+    out = {}
+    for name, (argv, env) in cases.items():
+        saved = dict(os.environ)
+        os.environ.update(env)
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                sa = prepare_server_args(["--model-path", model, "--device", "cpu", "--disable-radix-cache", *argv])
+            c = sa.ssm_mode_config
+            out[name] = {"mode": c.mode, "history": c.replay_history, "draft_tokens": c.draft_tokens}
+        except SystemExit as e:
+            out[name] = {"exit": e.code, "stderr": err.getvalue()[-400:]}
+        except Exception as e:
+            out[name] = {"error": type(e).__name__, "message": str(e)}
+        finally:
+            os.environ.clear(); os.environ.update(saved)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    model = tmp_path_factory.mktemp("qwen3_next_small")
+    (model / "config.json").write_text(json.dumps(QWEN3_NEXT_SMALL))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(CASES)], capture_output=True,
+                          text=True, timeout=600)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+def test_entry_point_is_discovered_by_sglangs_loader():
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert "ssm_modes" in plugins
+    assert plugins["ssm_modes"][0].__module__ == "sglang_ssm_modes.integration.plugin"
+
+
+def test_flags_resolve_through_prepare_server_args(results):
+    assert results["default"] == {"mode": "native", "history": 16, "draft_tokens": 1}
+    assert results["compact_spec"] == {"mode": "compact", "history": 16, "draft_tokens": 4}
+    assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4}
+    assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1}
+
+
+def test_bad_combinations_fail_at_startup_naming_the_flag(results):
+    r = results["history_too_small"]
+    assert r["error"] == "SSMModeConfigError"
+    assert "--ssm-replay-history 8" in r["message"] and "--speculative-num-draft-tokens 16" in r["message"]
+    assert results["alias_conflict"]["error"] == "SSMModeConfigError"
+    assert "pass only one of them" in results["alias_conflict"]["message"]
+    r = results["replay_spec_flag"]
+    assert r["exit"] == 2 and "--ssm-state-mode replay" in r["stderr"]
+
+
+def test_launch_server_help_shows_the_flags():
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--ssm-state-mode {native,compact,replay}", "--ssm-replay-history", "--enable-linear-replayssm",
+                 "--linear-replayssm-cache-len"):
+        assert flag in proc.stdout
+
+
+def test_resolve_rejects_a_bad_environment_value(monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("SGLANG_SSM_REPLAY_HISTORY", "sixteen")
+    with pytest.raises(SSMModeConfigError, match="SGLANG_SSM_REPLAY_HISTORY"):
+        resolve_ssm_mode(argparse.Namespace(), draft_tokens=None, state_dtype=None)
