@@ -79,10 +79,15 @@ def test_entry_point_is_discovered_by_sglangs_loader():
 
 
 def test_flags_resolve_through_prepare_server_args(results):
+    """native is served; compact / replay resolve (flags, aliases, env) and are then refused at
+    startup, never silently run on the native path, until their server hooks are wired."""
     assert results["default"] == {"mode": "native", "history": 16, "draft_tokens": 1}
-    assert results["compact_spec"] == {"mode": "compact", "history": 16, "draft_tokens": 4}
-    assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4}
-    assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1}
+    for name, resolved in (("compact_spec", "compact (history 16, draft tokens 4)"),
+                           ("replay_alias", "replay (history 32, draft tokens 4)"),
+                           ("env", "replay (history 8, draft tokens 1)")):
+        assert results[name]["error"] == "SSMModeConfigError", results[name]
+        assert f"--ssm-state-mode {resolved} is valid" in results[name]["message"]
+        assert "--ssm-state-mode native" in results[name]["message"]
 
 
 def test_bad_combinations_fail_at_startup_naming_the_flag(results):
