@@ -8,16 +8,10 @@ import textwrap
 
 import pytest
 
+from model_configs import QWEN3_NEXT_SMALL
 from sglang_ssm_modes.config import SSMModeConfigError
 from sglang_ssm_modes.integration.cli_args import resolve_ssm_mode
 
-QWEN3_NEXT_SMALL = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256,
-    "num_hidden_layers": 8, "full_attention_interval": 4, "linear_num_value_heads": 8,
-    "linear_num_key_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64,
-    "linear_conv_kernel_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1000,
-}
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "4"]
 
