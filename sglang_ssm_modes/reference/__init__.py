@@ -3,7 +3,9 @@
 * :mod:`.gating` — SGLang 0.5.14's gate, beta, L2 norm and GQA head mapping;
 * :mod:`.native` — native decode, chain / tree verify and chunked prefill, with SGLang's rounding;
 * :mod:`.compact` — output-only verify with raw-input records and the commit of an accepted prefix;
-* :mod:`.replay` — outputs from a checkpoint plus history records, and the exact fold.
+* :mod:`.replay` — outputs from a checkpoint plus history records, and the exact fold;
+* :mod:`.conv` — SGLang's causal conv update and the conv window as a ring committed by offset;
+* :mod:`.random_layer` — seeded parameters and inputs at realistic scales.
 """
 
 from .compact import CompactRecords, compact_commit, compact_verify
