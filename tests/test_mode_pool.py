@@ -161,3 +161,42 @@ def test_kda_pool_allocates_per_channel_gates():
     assert pool.heads.family == "kda" and pool.replay_rings.g.shape[-1] == KD
     compact = make_pool("compact", params=kda_params())
     assert compact.compact_records.g.shape == (LAYERS, 7, 4, HV, KD)
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_hybrid_req_to_token_pool_builds_the_mode_pool(mode, cuda_scratch_on_cpu):
+    """SGLang's own HybridReqToTokenPool (allocator, mappings) with the mode's MambaPool: the state
+    tensors are allocated once, alloc/free cycles return every slot, and a reused slot starts empty."""
+    from sglang_ssm_modes.pool import ModeHybridReqToTokenPool
+
+    cfg = SSMModeConfig(mode=mode, draft_tokens=4, replay_history=8)
+    pool = ModeHybridReqToTokenPool(
+        mode_config=cfg, size=4, mamba_size=6, mamba_spec_state_size=4, max_context_len=16, device="cpu",
+        enable_memory_saver=False, cache_params=gdn_params(), mamba_layer_ids=list(range(LAYERS)),
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=4, speculative_eagle_topk=1,
+        enable_overlap_schedule=False)
+    mp = pool.mamba_pool
+    assert isinstance(mp, ModeMambaPool) and mp.mode_config == cfg
+    assert isinstance(mp.mamba_cache, MambaPool.SpeculativeState) == (mode == "native")
+    if mode == "replay":
+        assert mp.replay_rings.count.shape == (LAYERS, 7)
+    free_before = pool.mamba_allocator.available_size()
+    slots = pool.mamba_allocator.alloc(3)
+    assert pool.mamba_allocator.available_size() == free_before - 3
+    mp.mamba_cache.temporal[:, slots.long()] = 1.0
+    if mp.replay_rings is not None:
+        mp.replay_rings.count[:, slots.long()] = 5
+    pool.mamba_allocator.free(slots)
+    mp.clear_slots(slots)
+    assert pool.mamba_allocator.available_size() == free_before
+    again = pool.mamba_allocator.alloc(3)
+    assert (mp.mamba_cache.temporal[:, again.long()] == 0).all()
+    if mp.replay_rings is not None:
+        assert (mp.replay_rings.count[:, again.long()] == 0).all()
+
+
+def test_adopt_refuses_a_pool_with_speculative_scratch(cuda_scratch_on_cpu):
+    plain = MambaPool(size=4, spec_state_size=4, cache_params=gdn_params(), mamba_layer_ids=list(range(LAYERS)),
+                      device="cpu", speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="without speculative_num_draft_tokens"):
+        ModeMambaPool.adopt(plain, SSMModeConfig(mode="compact", draft_tokens=4), gdn_params(), 4)

@@ -1,5 +1,5 @@
 """Mode-pluggable state pool on SGLang 0.5.14's ``MambaPool`` (SGLang glue: imports SGLang)."""
 
-from .mode_pool import LinearHeads, ModeMambaPool
+from .mode_pool import LinearHeads, ModeHybridReqToTokenPool, ModeMambaPool
 
-__all__ = ["LinearHeads", "ModeMambaPool"]
+__all__ = ["LinearHeads", "ModeHybridReqToTokenPool", "ModeMambaPool"]

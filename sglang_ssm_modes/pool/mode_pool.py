@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.configs.mamba_utils import BaseLinearStateParams, KimiLinearStateShape
-from sglang.srt.mem_cache.memory_pool import MambaPool
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool
 
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
@@ -72,28 +72,39 @@ class ModeMambaPool(MambaPool):
     """A ``MambaPool`` in the mode of ``mode_config``; other arguments are ``MambaPool``'s."""
 
     def __init__(self, *, mode_config: SSMModeConfig, **kwargs):
+        if mode_config.mode != "native":  # SGLang's state and conv window, none of its per-step scratch
+            kwargs = {**kwargs, "speculative_num_draft_tokens": None}
+        super().__init__(**kwargs)
+        self._add_mode_buffers(mode_config, kwargs["cache_params"], kwargs["spec_state_size"])
+
+    @classmethod
+    def adopt(cls, pool: MambaPool, mode_config: SSMModeConfig, cache_params: BaseLinearStateParams,
+              spec_state_size: int) -> "ModeMambaPool":
+        """Take over a ``MambaPool`` SGLang has just built (without speculative scratch for compact /
+        replay) and add the mode's buffers: no state tensor is allocated twice."""
+        if mode_config.mode != "native" and isinstance(pool.mamba_cache, MambaPool.SpeculativeState):
+            raise ValueError(f"--ssm-state-mode {mode_config.mode}: build the MambaPool without "
+                             "speculative_num_draft_tokens (its per-step scratch is what this mode removes)")
+        mode_pool = cls.__new__(cls)
+        mode_pool.__dict__.update(pool.__dict__)
+        mode_pool._add_mode_buffers(mode_config, cache_params, spec_state_size)
+        return mode_pool
+
+    def _add_mode_buffers(self, mode_config: SSMModeConfig, cache_params: BaseLinearStateParams,
+                          spec_state_size: int) -> None:
         self.mode_config = mode_config
-        self.heads = LinearHeads.from_cache_params(kwargs["cache_params"])
-        if mode_config.mode == "native":
-            super().__init__(**kwargs)
-            self.compact_records = self.replay_rings = None
-            return
-        # compact / replay: SGLang's state and conv window, none of its per-step scratch
-        super().__init__(**{**kwargs, "speculative_num_draft_tokens": None})
-        h, layers = self.heads, self.num_mamba_layers
-        act = kwargs["cache_params"].dtype.conv
-        device = kwargs["device"]
-        is_kda = h.family == "kda"
+        self.heads = h = LinearHeads.from_cache_params(cache_params)
         self.compact_records = self.replay_rings = None
+        act, is_kda = cache_params.dtype.conv, h.family == "kda"
         if mode_config.mode == "compact" and mode_config.draft_tokens > 1:  # decode alone commits at once
             self.compact_records = _per_layer(CompactRecordBuffers.allocate(
-                kwargs["spec_state_size"] + 1, mode_config.draft_tokens, h.num_k_heads, h.num_v_heads, h.head_k_dim,
-                h.head_v_dim, is_kda, act, "meta"), layers, device)
+                spec_state_size + 1, mode_config.draft_tokens, h.num_k_heads, h.num_v_heads, h.head_k_dim,
+                h.head_v_dim, is_kda, act, "meta"), self.num_mamba_layers, self.device)
             self.mem_usage += sum(t.nbytes for t in self.compact_records.__dict__.values()) / GB
         elif mode_config.mode == "replay":
             self.replay_rings = _per_layer(ReplayRing.allocate(
                 self.size + 1, mode_config.replay_history, h.num_k_heads, h.num_v_heads, h.head_k_dim, h.head_v_dim,
-                is_kda, act, "meta"), layers, device)
+                is_kda, act, "meta"), self.num_mamba_layers, self.device)
             self.mem_usage += sum(t.nbytes for t in self.replay_rings.buffers().values()) / GB
 
     # ---- per-layer views for the kernels ---------------------------------------------------
@@ -160,3 +171,23 @@ class ModeMambaPool(MambaPool):
 
 def _as_index(indices, device) -> torch.Tensor:
     return torch.as_tensor(indices, device=device).to(torch.int32).flatten()
+
+
+class ModeHybridReqToTokenPool(HybridReqToTokenPool):
+    """SGLang's ``HybridReqToTokenPool`` whose mamba pool is a :class:`ModeMambaPool` in ``mode_config``'s
+    mode; everything else (allocator, index mappings, extra-buffer tracking, int8 checkpoint pool) is
+    SGLang's own ``_init_mamba_pool``."""
+
+    def __init__(self, *, mode_config: SSMModeConfig, **kwargs):
+        self.mode_config = mode_config
+        super().__init__(**kwargs)
+
+    def _init_mamba_pool(self, *, mamba_size, mamba_spec_state_size, cache_params, mamba_layer_ids, device,
+                         enable_mamba_extra_buffer, speculative_num_draft_tokens=None, speculative_eagle_topk=None):
+        native = self.mode_config.mode == "native"
+        super()._init_mamba_pool(
+            mamba_size=mamba_size, mamba_spec_state_size=mamba_spec_state_size, cache_params=cache_params,
+            mamba_layer_ids=mamba_layer_ids, device=device, enable_mamba_extra_buffer=enable_mamba_extra_buffer,
+            speculative_num_draft_tokens=speculative_num_draft_tokens if native else None,
+            speculative_eagle_topk=speculative_eagle_topk)
+        self.mamba_pool = ModeMambaPool.adopt(self.mamba_pool, self.mode_config, cache_params, mamba_spec_state_size)
