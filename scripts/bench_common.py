@@ -62,3 +62,26 @@ def time_graph(fn, rounds: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+
+
+def plot_speedups(points: dict, title: str, path: str) -> None:
+    """One panel per family of native / ours speedup against batch (log2 x axis), a line per series.
+    ``points``: ``{family: {series label: [(batch, speedup), ...]}}``. Writes a PNG to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = sorted(points)
+    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4), sharey=True, squeeze=False)
+    for ax, fam in zip(axes[0], families):
+        for label, pts in sorted(points[fam].items()):
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{fam.upper()} {title}")
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("speedup (×)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

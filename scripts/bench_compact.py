@@ -25,7 +25,8 @@ import sys
 
 import torch
 
-from bench_common import DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, time_graph
+from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, plot_speedups,
+                          time_graph)
 
 
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
@@ -152,31 +153,13 @@ def write_report(result, out_dir):
                      f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
     with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG written", file=sys.stderr)
-        return
-    families = sorted({r["family"] for r in rows})
-    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4), sharey=True, squeeze=False)
-    axes = axes[0]
-    for ax, fam in zip(axes, families):
-        for dt in result["state_dtypes"]:
-            for d in result["draft_tokens"]:
-                pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
-                             if r["impl"] == "ours-compact" and r["op"] == "spec_round" and r["family"] == fam and r["state_dtype"] == dt
-                             and r["draft_tokens"] == d)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} D={d}")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{fam.upper()} spec round: native / compact")
-        ax.set_xlabel("batch")
-    axes[0].set_ylabel("speedup (×)")
-    axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "compact_h200.png"), dpi=120)
+    points = {}
+    for r in rows:
+        if r["impl"] == "ours-compact" and r["op"] == "spec_round":
+            label = f"{r['state_dtype']} D={r['draft_tokens']}"
+            points.setdefault(r["family"], {}).setdefault(label, []).append(
+                (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
+    plot_speedups(points, "spec round: native / compact", os.path.join(out_dir, "compact_h200.png"))
 
 
 def main(argv=None) -> int:

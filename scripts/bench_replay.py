@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from bench_common import DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, time_graph
+from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, plot_speedups,
+                          time_graph)
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -143,28 +144,13 @@ def write_report(result, out_dir):
                      f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} |")
     with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    families = sorted({r["family"] for r in rows})
-    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4), sharey=True, squeeze=False)
-    for ax, fam in zip(axes[0], families):
-        series = sorted({(r["state_dtype"], r["draft_tokens"], r["history"]) for r in rows
-                         if r["impl"] == "ours-replay" and r["family"] == fam})
-        for dt, d, L in series:
-            pts = sorted((r["batch"], nat[key(r)]["median_us"] / r["median_us"]) for r in rows
-                         if r["impl"] == "ours-replay" and r["family"] == fam and r["state_dtype"] == dt
-                         and r["draft_tokens"] == d and r["history"] == L)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{dt} D={d} L={L}")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{fam.upper()}: native / replay")
-        ax.set_xlabel("batch")
-    axes[0][0].set_ylabel("speedup (×)")
-    axes[0][-1].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "replay_h200.png"), dpi=120)
+    points = {}
+    for r in rows:
+        if r["impl"] == "ours-replay":
+            label = f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
+            points.setdefault(r["family"], {}).setdefault(label, []).append(
+                (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
+    plot_speedups(points, "native / replay", os.path.join(out_dir, "replay_h200.png"))
 
 
 def main(argv=None) -> int:
