@@ -33,13 +33,17 @@ def _ours(params, x, pool, state_idx, family, n, d, parents=None, beta_activated
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_native_verify_bit_identical_to_sglang_kernel(family, hk, hv, state_dtype, tree):
-    n, d = 5, 4
-    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 16, 32, state_dtype, seed=21 + hv)
-    parents = random_tree_parents(n, d, torch.Generator().manual_seed(22)) if tree else None
+    _check_against_sglang(family, hk, hv, 16, 32, 5, 4, state_dtype, tree, seed=21 + hv)
+
+
+def _check_against_sglang(family, hk, hv, kdim, vdim, n, d, state_dtype, tree, seed):
+    """Outputs and every stored node state of our native verify equal SGLang's kernel, bit for bit."""
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=seed)
+    parents = random_tree_parents(n, d, torch.Generator().manual_seed(seed + 1)) if tree else None
     o_sgl, inter_sgl = sglang_native_verify(params, x, pool, state_idx, family, n, d, parents)
     o_ours, inter_ours = _ours(params, x, pool, state_idx, family, n, d, parents)
     real = (state_idx >= 0).to(DEVICE)
-    assert torch.equal(o_ours.reshape(n, d, hv, 32)[real], o_sgl.reshape(n, d, hv, 32)[real])
+    assert torch.equal(o_ours.reshape(n, d, hv, vdim)[real], o_sgl.reshape(n, d, hv, vdim)[real])
     assert torch.equal(inter_ours[real], inter_sgl[real])
 
 
@@ -82,11 +86,4 @@ def test_kda_verify_with_activated_beta(state_dtype):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 def test_native_verify_bit_identical_real_shapes(family, hk, hv, state_dtype, tree):
-    n, d = 37, 6
-    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 128, 128, state_dtype, seed=25)
-    parents = random_tree_parents(n, d, torch.Generator().manual_seed(26)) if tree else None
-    o_sgl, inter_sgl = sglang_native_verify(params, x, pool, state_idx, family, n, d, parents)
-    o_ours, inter_ours = _ours(params, x, pool, state_idx, family, n, d, parents)
-    real = (state_idx >= 0).to(DEVICE)
-    assert torch.equal(o_ours.reshape(n, d, hv, 128)[real], o_sgl.reshape(n, d, hv, 128)[real])
-    assert torch.equal(inter_ours[real], inter_sgl[real])
+    _check_against_sglang(family, hk, hv, 128, 128, 37, 6, state_dtype, tree, seed=25)

@@ -20,10 +20,6 @@ from sglang_ssm_modes.reference.random_layer import random_inputs
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
 
 
-def _window(params, family, n, d, hk, hv, kdim, vdim, gen):
-    return random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-
-
 def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx):
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -53,7 +49,7 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape):
         replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
         after_fold(ring, rec_idx, need)
         assert int(ring.count.max()) + d <= L
-        x = _window(params, family, n, d, hk, hv, kdim, vdim, gen)
+        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
         o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
