@@ -57,11 +57,6 @@ class ReplayRing:
         """L: records a half holds."""
         return self.u.shape[1] // 2
 
-    def clear(self, slots: torch.Tensor) -> None:
-        """Empty the histories of ``slots`` (a restored or freshly prefilled checkpoint)."""
-        self.count[slots] = 0
-        self.phase[slots] = 0
-
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor by name (for full-state comparisons and memory accounting)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
