@@ -4,6 +4,7 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
 #   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
 #         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS) | bench-replay ($BENCH_REPLAY_ARGS)
+#         | e2e (real SGLang servers, scripts/e2e_servers.py; configurations etc. in $E2E_ARGS)
 #
 # Unpacks the SGLang 0.5.14 site archive (.gpu/site312.tar.xz, built by ../shared/gpu/build_site.sh),
 # runs the selected parts and writes their logs and results under $OUT (default ./out).
@@ -12,8 +13,8 @@ OUT=${OUT:-$PWD/out}
 PARTS=("${@:-tests}")
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests|tests:*|bench-compact|bench-replay) ;;
-        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay" >&2; exit 2 ;;
+        tests|tests:*|bench-compact|bench-replay|e2e) ;;
+        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay, e2e" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -21,7 +22,20 @@ mkdir -p "$OUT"
 SITE=$(mktemp -d)
 tar -xJf .gpu/site312.tar.xz -C "$SITE"
 export PYTHONPATH="$PWD:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# Our entry points (the sglang.srt.plugins one above all) as installed metadata beside the site, read
+# from pyproject.toml: SGLang discovers the plugin the way it does after `pip install` (no index here).
+python3 - "$SITE" <<'PY'
+import pathlib, sys, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path(sys.argv[1]) / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+groups = {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+(info / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
+                                               for g, eps in groups.items()))
+PY
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+export GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 export COMMIT=${COMMIT:-unknown}
 echo "commit $COMMIT date $(date -u +%F)" | tee -a "$OUT/gpu.txt"
 
@@ -42,6 +56,7 @@ for part in "${PARTS[@]}"; do
         tests:*) run_tests "${part#tests:}" || status=1 ;;
         bench-compact) python3 scripts/bench_compact.py --out "$OUT" ${BENCH_COMPACT_ARGS:-} || status=1 ;;
         bench-replay) python3 scripts/bench_replay.py --out "$OUT" ${BENCH_REPLAY_ARGS:-} || status=1 ;;
+        e2e) python3 scripts/e2e_servers.py --out "$OUT" ${E2E_ARGS:-} || status=1 ;;
     esac
 done
 exit "$status"

@@ -42,3 +42,27 @@ def test_real_sglang_classes_are_importable():
     assert callable(commit_mamba_states_after_verify)
     for cls in (MambaPool, HybridReqToTokenPool, MambaRadixCache, MambaAttnBackendBase):
         assert cls.__module__.startswith("sglang.srt.")
+
+
+def _package_modules() -> list[str]:
+    import pkgutil
+
+    return sorted(m.name for m in pkgutil.walk_packages(sglang_ssm_modes.__path__, "sglang_ssm_modes.")
+                  if not m.name.endswith("__main__"))
+
+
+@pytest.mark.slow
+def test_every_package_module_imports_first_in_a_fresh_process():
+    """No import cycle hides behind the order the tests happen to import in: each module of the
+    package is imported first, alone, in a new interpreter."""
+    import subprocess
+    import sys
+
+    script = ("import importlib, sys\nfailed = []\nfor name in sys.argv[1:]:\n"
+              "    import subprocess\n"
+              "    r = subprocess.run([sys.executable, '-c', f'import {name}'], capture_output=True, text=True)\n"
+              "    if r.returncode: failed.append((name, r.stderr.strip().splitlines()[-1]))\n"
+              "print(failed)\nsys.exit(1 if failed else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", script, *_package_modules()], capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -12,6 +12,7 @@ from kernel_cases import flat_inputs, to_device
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.ops.replay import advance, replay_verify
 from sglang_ssm_modes.pool import LinearHeads, ModeMambaPool
+from sglang_ssm_modes.pool.mode_pool import ConvScratchState
 from sglang_ssm_modes.reference import ReplayRecords, fold
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
 
@@ -59,8 +60,10 @@ def test_buffers_and_memory_per_mode(cuda_scratch_on_cpu):
     native, compact, replay = (make_pool(m) for m in ("native", "compact", "replay"))
     assert isinstance(native.mamba_cache, MambaPool.SpeculativeState)
     for pool in (compact, replay):
-        assert type(pool.mamba_cache) is MambaPool.State, "no intermediate_ssm / conv-window scratch"
+        assert type(pool.mamba_cache) is ConvScratchState, "no intermediate_ssm; SGLang's conv-window scratch"
         assert pool.mamba_cache.temporal.shape == native.mamba_cache.temporal.shape
+        for mine, sglangs in zip(pool.mamba_cache.intermediate_conv_window, native.mamba_cache.intermediate_conv_window):
+            assert mine.shape == sglangs.shape and mine.stride() == sglangs.stride()
     assert compact.compact_records.k.shape == (LAYERS, 7, 4, HK, KD) and compact.replay_rings is None
     assert replay.replay_rings.u.shape == (LAYERS, 7, 16, HV, VD) and replay.compact_records is None
     assert compact.mem_usage < replay.mem_usage < native.mem_usage
@@ -164,20 +167,27 @@ def test_kda_pool_allocates_per_channel_gates():
 
 
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
-def test_hybrid_req_to_token_pool_builds_the_mode_pool(mode, cuda_scratch_on_cpu):
-    """SGLang's own HybridReqToTokenPool (allocator, mappings) with the mode's MambaPool: the state
-    tensors are allocated once, alloc/free cycles return every slot, and a reused slot starts empty."""
-    from sglang_ssm_modes.pool import ModeHybridReqToTokenPool
+def test_hybrid_req_to_token_pool_builds_the_mode_pool(mode, cuda_scratch_on_cpu, monkeypatch):
+    """SGLang's own HybridReqToTokenPool (allocator, mappings) with the plugin's hook on its
+    ``_init_mamba_pool``: the state tensors are allocated once, alloc/free cycles return every slot,
+    and a reused slot starts empty."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 
     cfg = SSMModeConfig(mode=mode, draft_tokens=4, replay_history=8)
-    pool = ModeHybridReqToTokenPool(
-        mode_config=cfg, size=4, mamba_size=6, mamba_spec_state_size=4, max_context_len=16, device="cpu",
+    original = HybridReqToTokenPool._init_mamba_pool
+    monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
+                        lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
+    pool = HybridReqToTokenPool(
+        size=4, mamba_size=6, mamba_spec_state_size=4, max_context_len=16, device="cpu",
         enable_memory_saver=False, cache_params=gdn_params(), mamba_layer_ids=list(range(LAYERS)),
         enable_mamba_extra_buffer=False, speculative_num_draft_tokens=4, speculative_eagle_topk=1,
         enable_overlap_schedule=False)
     mp = pool.mamba_pool
     assert isinstance(mp, ModeMambaPool) and mp.mode_config == cfg
     assert isinstance(mp.mamba_cache, MambaPool.SpeculativeState) == (mode == "native")
+    assert hasattr(mp.mamba_cache, "intermediate_conv_window"), "every speculative pool keeps SGLang's conv scratch"
     if mode == "replay":
         assert mp.replay_rings.count.shape == (LAYERS, 7)
     free_before = pool.mamba_allocator.available_size()

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from model_configs import QWEN3_NEXT_SMALL
+from model_configs import LLAMA_SMALL, QWEN3_NEXT_SMALL
 from sglang_ssm_modes.config import SSMModeConfigError
 from sglang_ssm_modes.integration.cli_args import resolve_ssm_mode
 
@@ -25,6 +25,9 @@ CASES = {  # name: (extra argv, env)
                            "--speculative-num-draft-tokens", "16"], {}),
     "alias_conflict": (["--enable-linear-replayssm", "--ssm-state-mode", "compact"], {}),
     "replay_spec_flag": (["--enable-linear-replayssm-spec"], {}),
+    "replay_pd": (["--ssm-state-mode", "replay", "--disaggregation-mode", "decode"], {}),
+    "compact_not_hybrid": (["--ssm-state-mode", "compact", "@llama"], {}),
+    "native_not_hybrid": (["@llama"], {}),
 }
 
 DRIVER = textwrap.dedent("""
@@ -32,7 +35,7 @@ DRIVER = textwrap.dedent("""
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import prepare_server_args
-    model, cases = sys.argv[1], json.loads(sys.argv[2])
+    model, llama, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     out = {}
     for name, (argv, env) in cases.items():
         saved = dict(os.environ)
@@ -40,7 +43,9 @@ DRIVER = textwrap.dedent("""
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                sa = prepare_server_args(["--model-path", model, "--device", "cpu", "--disable-radix-cache", *argv])
+                path = llama if "@llama" in argv else model
+                argv = [a for a in argv if a != "@llama"]
+                sa = prepare_server_args(["--model-path", path, "--device", "cpu", "--disable-radix-cache", *argv])
             c = sa.ssm_mode_config
             out[name] = {"mode": c.mode, "history": c.replay_history, "draft_tokens": c.draft_tokens}
         except SystemExit as e:
@@ -57,7 +62,9 @@ DRIVER = textwrap.dedent("""
 def results(tmp_path_factory):
     model = tmp_path_factory.mktemp("qwen3_next_small")
     (model / "config.json").write_text(json.dumps(QWEN3_NEXT_SMALL))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(model), json.dumps(CASES)], capture_output=True,
+    llama = tmp_path_factory.mktemp("llama_small")
+    (llama / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(llama), json.dumps(CASES)], capture_output=True,
                           text=True, timeout=600)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -73,15 +80,12 @@ def test_entry_point_is_discovered_by_sglangs_loader():
 
 
 def test_flags_resolve_through_prepare_server_args(results):
-    """native is served; compact / replay resolve (flags, aliases, env) and are then refused at
-    startup, never silently run on the native path, until their server hooks are wired."""
+    """Flags, aliases and environment resolve into the mode configuration on SGLang's ServerArgs."""
     assert results["default"] == {"mode": "native", "history": 16, "draft_tokens": 1}
-    for name, resolved in (("compact_spec", "compact (history 16, draft tokens 4)"),
-                           ("replay_alias", "replay (history 32, draft tokens 4)"),
-                           ("env", "replay (history 8, draft tokens 1)")):
-        assert results[name]["error"] == "SSMModeConfigError", results[name]
-        assert f"--ssm-state-mode {resolved} is valid" in results[name]["message"]
-        assert "--ssm-state-mode native" in results[name]["message"]
+    assert results["compact_spec"] == {"mode": "compact", "history": 16, "draft_tokens": 4}
+    assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4}
+    assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1}
+    assert results["native_not_hybrid"]["mode"] == "native"
 
 
 def test_bad_combinations_fail_at_startup_naming_the_flag(results):
@@ -92,6 +96,24 @@ def test_bad_combinations_fail_at_startup_naming_the_flag(results):
     assert "pass only one of them" in results["alias_conflict"]["message"]
     r = results["replay_spec_flag"]
     assert r["exit"] == 2 and "--ssm-state-mode replay" in r["stderr"]
+    r = results["replay_pd"]
+    assert r["error"] == "SSMModeConfigError" and "--disaggregation-mode decode" in r["message"], r
+    assert "--ssm-state-mode compact" in r["message"]
+    r = results["compact_not_hybrid"]
+    assert r["error"] == "SSMModeConfigError" and "LlamaConfig" in r["message"], r
+    assert "drop --ssm-state-mode" in r["message"]
+
+
+def test_every_hook_target_exists_in_sglang():
+    """Each target the plugin hooks resolves to a function of SGLang 0.5.14 (SGLang itself would only
+    log a missing one; the pool hook then refuses to start)."""
+    import importlib
+
+    from sglang_ssm_modes.integration.plugin import HOOKS
+
+    for target in HOOKS:
+        module, cls, attr = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), attr)), target
 
 
 def test_launch_server_help_shows_the_flags():

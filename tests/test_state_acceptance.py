@@ -85,7 +85,7 @@ def test_acceptance_rounds_agree_with_native_in_every_mode():
 
 def test_replay_refuses_tree_commits():
     pool = make_pool("replay", draft_tokens=D, size=SIZE, history=8)
-    with pytest.raises(ValueError, match="tree verify goes through compact"):
+    with pytest.raises(ValueError, match="commits through compact.s path"):
         StateAcceptance(pool).commit(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
                                      retrieve_parent_token=torch.zeros(1, D, dtype=torch.int64))
 

@@ -32,7 +32,7 @@ class StateAcceptance:
 
     def __init__(self, pool: ModeMambaPool):
         self.pool = pool
-        self.mode = pool.mode_config.mode
+        self.mode = pool.verify_path  # replay's tree verify commits through compact's records
         self.is_kda = pool.heads.family == "kda"
 
     def commit(self, state_indices: torch.Tensor, last_index: torch.Tensor, *,
@@ -66,7 +66,8 @@ class StateAcceptance:
                                retrieve_parent_token=retrieve_parent_token)
             else:
                 if retrieve_parent_token is not None:
-                    raise ValueError("replay commits chains only; tree verify goes through compact's path")
+                    raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
+                                     "verify (EAGLE topk > 1) commits through compact's path")
                 ring = self.pool.layer_ring(layer)
                 if track_indices is not None:
                     slots = state_indices.clamp_min(0).long()

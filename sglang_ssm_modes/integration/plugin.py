@@ -1,24 +1,45 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``): SGLang 0.5.14 runs ``register`` in every
-process it starts (``launch_server``, ``sglang serve``, engine, scheduler) before it parses arguments.
+process it starts (``launch_server``, ``sglang serve``, engine, scheduler) before it parses arguments,
+then applies the registered hooks.
 
-Registered now: the server flags (``ServerArgs.add_cli_args``) and their validation once SGLang's own
-argument handling is done (``ServerArgs.from_cli_args``), so a bad combination fails at startup, before
-any weights load. The mode's configuration is attached to the ``ServerArgs`` as ``ssm_mode_config``.
-Modes whose server hooks are not wired yet are refused there with a message saying so — never
-silently served by the native path.
+Hooks:
+
+* ``ServerArgs.add_cli_args`` / ``ServerArgs.from_cli_args``: the flags, resolved and validated once
+  SGLang's own argument handling is done — before any weights load; the result is attached to the
+  ``ServerArgs`` as ``ssm_mode_config`` (it travels with them to every scheduler process);
+* ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
+  mode's pool and its sizing (:mod:`.pool_hooks`);
+* ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
+  ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
+  (:mod:`.backend_hooks`).
+
+SGLang logs and skips a hook it fails to apply; the pool hook checks that every hook of this plugin
+was applied and refuses to start otherwise, so a mode is never silently served by the native path.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..config import SSMModeConfigError
+from . import backend_hooks, pool_hooks
 from .cli_args import add_ssm_mode_args, resolve_ssm_mode
+from .validation import linear_family, validate_mode
 
 logger = logging.getLogger(__name__)
 
-SERVED_MODES = ("native",)
-"""Modes the server hooks serve in this release; the others are validated, then refused at startup."""
+_BACKENDS = "sglang.srt.layers.attention"
+HOOKS = {  # target -> AROUND hook
+    "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool": pool_hooks.init_mamba_pool,
+    "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin.handle_max_mamba_cache":
+        pool_hooks.handle_max_mamba_cache,
+    f"{_BACKENDS}.linear.gdn_backend.GDNAttnBackend.forward_decode": backend_hooks.forward_decode,
+    f"{_BACKENDS}.linear.gdn_backend.GDNAttnBackend.forward_extend": backend_hooks.forward_extend,
+    f"{_BACKENDS}.linear.kda_backend.KDAAttnBackend.forward_decode": backend_hooks.forward_decode,
+    f"{_BACKENDS}.linear.kda_backend.KDAAttnBackend.forward_extend": backend_hooks.forward_extend,
+    f"{_BACKENDS}.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify":
+        backend_hooks.update_mamba_state_after_mtp_verify,
+}
+"""Every AROUND hook of the plugin, by SGLang target."""
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -29,14 +50,19 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
     draft = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None
     cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=getattr(server_args, "mamba_ssm_dtype", None))
-    if cfg.mode not in SERVED_MODES:
-        raise SSMModeConfigError(
-            f"--ssm-state-mode {cfg.mode} (history {cfg.replay_history}, draft tokens {cfg.draft_tokens}) is valid, "
-            "but this release does not serve it yet: its kernels, pool and acceptance are built and tested, the "
-            "server hooks are not wired. Start with --ssm-state-mode native (the default).")
+    if cfg.mode != "native":
+        family, config_name = linear_family(server_args)
+        validate_mode(cfg, server_args, family, config_name)
     server_args.ssm_mode_config = cfg
     logger.info("sglang-ssm-modes: %s", cfg)
     return server_args
+
+
+def unapplied_hooks() -> list[str]:
+    """Targets of this plugin's hooks that SGLang did not apply (it logs and skips failures)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [target for target in HOOKS if target not in HookRegistry._patched]
 
 
 def register() -> None:
@@ -45,3 +71,5 @@ def register() -> None:
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    for target, hook in HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)

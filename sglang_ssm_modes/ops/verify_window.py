@@ -15,8 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import TYPE_CHECKING
+
 from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize, store_raw_record, tree_ancestors
-from .compact.records import CompactRecordBuffers
+
+if TYPE_CHECKING:  # ops.compact imports this module: a runtime import would be circular
+    from .compact.records import CompactRecordBuffers
 
 
 @triton.jit(do_not_specialize=["T"])

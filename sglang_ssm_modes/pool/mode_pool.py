@@ -5,11 +5,18 @@ HiCache and PD code keep working unchanged.
 
 * ``native``: SGLang's pool as it is (state, conv window, and the ``intermediate_ssm`` /
   ``intermediate_conv_window`` scratch when speculating).
-* ``compact``: state and conv window per slot; no per-step scratch; raw-input records of D draft
-  tokens per running request (``[layers, spec_state_size + 1, D, ...]``, indexed like SGLang's
+* ``compact``: state and conv window per slot; no per-step state scratch; raw-input records of D
+  draft tokens per running request (``[layers, spec_state_size + 1, D, ...]``, indexed like SGLang's
   ``intermediate_ssm``: by the request's position in the verify batch).
 * ``replay``: the state slot holds the *checkpoint*; each slot also owns a ring of 2·L records and a
-  cursor (the history belongs to the request across rounds, so it lives with its slot).
+  cursor (the history belongs to the request across rounds, so it lives with its slot). Tree verify
+  (EAGLE topk > 1) is routed through compact's records and commit (``verify_path``).
+
+When speculating, compact and replay keep SGLang's per-step *conv* window scratch
+(``intermediate_conv_window``, in SGLang's own deduplicated layout: D + K - 2 columns per request), so
+the conv path, its commit and its tree handling stay SGLang's; it costs as much as the conv ring of
+``ops.conv_window`` would (K - 1 + D columns) and leaves the pool's conv layout untouched for the
+radix cache, HiCache and PD.
 
 Everything that hands pool contents to someone else (``copy_from`` for radix-cache checkpoints,
 ``get_cpu_copy`` for offload, ``prepare_for_transfer`` for PD) sees the canonical committed state:
@@ -23,10 +30,14 @@ This module imports SGLang (it is glue); the kernels it drives live in :mod:`sgl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 import torch
 from sglang.srt.configs.mamba_utils import BaseLinearStateParams, KimiLinearStateShape
-from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool
+from sglang.srt.mem_cache import memory_pool as sglang_memory_pool
+from sglang.srt.mem_cache.memory_pool import (
+    HybridReqToTokenPool, MambaPool, conv_window_dedup_enabled, get_tensor_size_bytes,
+)
 
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
@@ -56,6 +67,43 @@ class LinearHeads:
         return LinearHeads("gdn", hv, (conv_dim - hv * vdim) // (2 * kdim), kdim, vdim)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ConvScratchState(MambaPool.State):
+    """SGLang's state and conv window plus its per-step conv-window scratch, without the per-step
+    SSM state scratch (``intermediate_ssm``) that compact and replay remove. ``at_layer_idx`` and the
+    PD buffer description (which skips ``intermediate_conv_window`` by name) work unchanged."""
+
+    intermediate_conv_window: List[torch.Tensor]
+
+
+def conv_window_scratch(conv_shapes, layers: int, spec_state_size: int, draft_tokens: int, dtype: torch.dtype,
+                        device, dedup: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(views, physical buffers)`` of SGLang 0.5.14's ``intermediate_conv_window`` scratch, in its own
+    layout (``MambaPool.__init__``): with ``dedup`` one ``[layers, S + 1, conv_dim, D + K - 2]`` buffer per
+    conv shape seen through an overlapping ``[layers, S + 1, D, conv_dim, K - 1]`` view (step t's window
+    = columns t .. t + K - 2); otherwise dense ``[layers, S + 1, D, conv_dim, K - 1]`` (tree verify)."""
+    views, phys = [], []
+    for conv_dim, win in conv_shapes:
+        if dedup:
+            buf = torch.zeros(layers, spec_state_size + 1, conv_dim, draft_tokens + win - 1, dtype=dtype, device=device)
+            s = buf.stride()
+            views.append(buf.as_strided((layers, spec_state_size + 1, draft_tokens, conv_dim, win),
+                                        (s[0], s[1], s[3], s[2], s[3])))
+        else:
+            buf = torch.zeros(layers, spec_state_size + 1, draft_tokens, conv_dim, win, dtype=dtype, device=device)
+            views.append(buf)
+        phys.append(buf)
+    return views, phys
+
+
+def _conv_window_dedup(is_kda: bool, eagle_topk: int | None) -> bool:
+    """SGLang's choice of the deduplicated conv-window layout, for GDN only: its dedup view reads
+    ``conv_shape`` as ``(conv_dim, K - 1)``, while KDA's is ``(K - 1, conv_dim)`` — the overlapping view
+    would alias channels there (SGLang 0.5.14 never verifies KDA, so never hit it)."""
+    return not is_kda and conv_window_dedup_enabled(sglang_memory_pool._is_npu, sglang_memory_pool._is_cpu,
+                                                    eagle_topk)
+
+
 def _layers_of(buffers, layer: int):
     """The buffers of one layer (views) from buffers with a leading layer dimension."""
     return type(buffers)(*(t[layer] for t in buffers.__dict__.values()))
@@ -75,11 +123,12 @@ class ModeMambaPool(MambaPool):
         if mode_config.mode != "native":  # SGLang's state and conv window, none of its per-step scratch
             kwargs = {**kwargs, "speculative_num_draft_tokens": None}
         super().__init__(**kwargs)
-        self._add_mode_buffers(mode_config, kwargs["cache_params"], kwargs["spec_state_size"])
+        self._add_mode_buffers(mode_config, kwargs["cache_params"], kwargs["spec_state_size"],
+                               kwargs.get("speculative_eagle_topk"))
 
     @classmethod
     def adopt(cls, pool: MambaPool, mode_config: SSMModeConfig, cache_params: BaseLinearStateParams,
-              spec_state_size: int) -> "ModeMambaPool":
+              spec_state_size: int, eagle_topk: int | None = None) -> "ModeMambaPool":
         """Take over a ``MambaPool`` SGLang has just built (without speculative scratch for compact /
         replay) and add the mode's buffers: no state tensor is allocated twice."""
         if mode_config.mode != "native" and isinstance(pool.mamba_cache, MambaPool.SpeculativeState):
@@ -87,25 +136,50 @@ class ModeMambaPool(MambaPool):
                              "speculative_num_draft_tokens (its per-step scratch is what this mode removes)")
         mode_pool = cls.__new__(cls)
         mode_pool.__dict__.update(pool.__dict__)
-        mode_pool._add_mode_buffers(mode_config, cache_params, spec_state_size)
+        mode_pool._add_mode_buffers(mode_config, cache_params, spec_state_size, eagle_topk)
         return mode_pool
 
+    @property
+    def mode(self) -> str:
+        return self.mode_config.mode
+
     def _add_mode_buffers(self, mode_config: SSMModeConfig, cache_params: BaseLinearStateParams,
-                          spec_state_size: int) -> None:
+                          spec_state_size: int, eagle_topk: int | None) -> None:
         self.mode_config = mode_config
         self.heads = h = LinearHeads.from_cache_params(cache_params)
+        self.tree_verify = (eagle_topk or 1) > 1
         self.compact_records = self.replay_rings = None
         act, is_kda = cache_params.dtype.conv, h.family == "kda"
-        if mode_config.mode == "compact" and mode_config.draft_tokens > 1:  # decode alone commits at once
+        speculative = mode_config.draft_tokens > 1
+        if mode_config.mode != "native" and speculative:
+            views, phys = conv_window_scratch(
+                [tuple(c) for c in cache_params.shape.conv], self.num_mamba_layers, spec_state_size,
+                mode_config.draft_tokens, act, self.device,
+                dedup=_conv_window_dedup(is_kda, eagle_topk))
+            self.mamba_cache = ConvScratchState(conv=self.mamba_cache.conv, temporal=self.mamba_cache.temporal,
+                                                intermediate_conv_window=views)
+            self._intermediate_conv_window_phys = phys
+            self.mem_usage += get_tensor_size_bytes(phys) / GB
+        if speculative:  # record slot of each verify row: its batch position (SGLang's intermediate indices)
+            self.record_rows = torch.arange(spec_state_size + 1, dtype=torch.int32, device=self.device)
+        if self.verify_path == "compact" and speculative:  # decode alone commits at once
             self.compact_records = _per_layer(CompactRecordBuffers.allocate(
                 spec_state_size + 1, mode_config.draft_tokens, h.num_k_heads, h.num_v_heads, h.head_k_dim,
                 h.head_v_dim, is_kda, act, "meta"), self.num_mamba_layers, self.device)
             self.mem_usage += sum(t.nbytes for t in self.compact_records.__dict__.values()) / GB
-        elif mode_config.mode == "replay":
+        if mode_config.mode == "replay":
             self.replay_rings = _per_layer(ReplayRing.allocate(
                 self.size + 1, mode_config.replay_history, h.num_k_heads, h.num_v_heads, h.head_k_dim, h.head_v_dim,
                 is_kda, act, "meta"), self.num_mamba_layers, self.device)
             self.mem_usage += sum(t.nbytes for t in self.replay_rings.buffers().values()) / GB
+
+    @property
+    def verify_path(self) -> str:
+        """The kernels a speculative verify of this pool runs: ``native`` (per-step states),
+        ``compact`` (records; also replay's route for tree verify) or ``replay`` (chain)."""
+        if self.mode == "replay" and self.tree_verify:
+            return "compact"
+        return self.mode
 
     # ---- per-layer views for the kernels ---------------------------------------------------
     def layer_records(self, layer: int) -> CompactRecordBuffers:
@@ -173,21 +247,21 @@ def _as_index(indices, device) -> torch.Tensor:
     return torch.as_tensor(indices, device=device).to(torch.int32).flatten()
 
 
-class ModeHybridReqToTokenPool(HybridReqToTokenPool):
-    """SGLang's ``HybridReqToTokenPool`` whose mamba pool is a :class:`ModeMambaPool` in ``mode_config``'s
-    mode; everything else (allocator, index mappings, extra-buffer tracking, int8 checkpoint pool) is
-    SGLang's own ``_init_mamba_pool``."""
-
-    def __init__(self, *, mode_config: SSMModeConfig, **kwargs):
-        self.mode_config = mode_config
-        super().__init__(**kwargs)
-
-    def _init_mamba_pool(self, *, mamba_size, mamba_spec_state_size, cache_params, mamba_layer_ids, device,
-                         enable_mamba_extra_buffer, speculative_num_draft_tokens=None, speculative_eagle_topk=None):
-        native = self.mode_config.mode == "native"
-        super()._init_mamba_pool(
-            mamba_size=mamba_size, mamba_spec_state_size=mamba_spec_state_size, cache_params=cache_params,
-            mamba_layer_ids=mamba_layer_ids, device=device, enable_mamba_extra_buffer=enable_mamba_extra_buffer,
-            speculative_num_draft_tokens=speculative_num_draft_tokens if native else None,
-            speculative_eagle_topk=speculative_eagle_topk)
-        self.mamba_pool = ModeMambaPool.adopt(self.mamba_pool, self.mode_config, cache_params, mamba_spec_state_size)
+def init_mode_mamba_pool(sglang_init_mamba_pool, req_to_token_pool: HybridReqToTokenPool, mode_config: SSMModeConfig,
+                         **kwargs) -> None:
+    """``HybridReqToTokenPool._init_mamba_pool`` in ``mode_config``'s mode: SGLang's own method
+    (``sglang_init_mamba_pool``, called unbound with ``kwargs``: allocator, index mappings, extra-buffer
+    tracking, int8 checkpoint pool), building its ``MambaPool`` without the per-step scratch in compact
+    and replay, which :meth:`ModeMambaPool.adopt` then takes over."""
+    native = mode_config.mode == "native"
+    draft = kwargs.get("speculative_num_draft_tokens")
+    topk = kwargs.get("speculative_eagle_topk")
+    sglang_kwargs = {**kwargs, "speculative_num_draft_tokens": draft if native else None}
+    if native and draft and isinstance(kwargs["cache_params"].shape, KimiLinearStateShape):
+        # SGLang's MambaPool only reads topk to pick the conv-window layout; > 1 selects the dense
+        # one, the only one right for KDA's transposed conv state (see _conv_window_dedup)
+        sglang_kwargs["speculative_eagle_topk"] = max(topk or 1, 2)
+    sglang_init_mamba_pool(req_to_token_pool, **sglang_kwargs)
+    req_to_token_pool.mamba_pool = ModeMambaPool.adopt(
+        req_to_token_pool.mamba_pool, mode_config, kwargs["cache_params"], kwargs["mamba_spec_state_size"],
+        kwargs.get("speculative_eagle_topk"))

@@ -1,0 +1,299 @@
+"""End-to-end: real ``python -m sglang.launch_server`` processes, one per configuration, in sequence,
+each sent the same requests; parity of every mode with native judged from what the servers return.
+
+    python scripts/e2e_servers.py --out OUT [--configs NAME ...] [--list]
+
+Configurations are named ``<model>-<mode>[-L<history>]-<spec>[-<variant>...]`` and come from
+:data:`MATRIX` (``--list`` prints them). Models are this repo's test models
+(``sglang_ssm_modes.testing.models``: seeded weights at a realistic scale, a local tokenizer),
+generated under ``OUT/models`` on first use.
+
+Requests, identical for every server:
+
+* greedy generation of ``--prompts`` random-token prompts, sent concurrently (batching, CUDA-graph
+  padding rows), ``--new-tokens`` each, with the top-2 log-probabilities of every output token (a
+  replay history of 16 folds several times over 64 tokens);
+* teacher forcing: each prompt + native's greedy continuation + 16 more tokens, with the input
+  log-probabilities of everything after the prompt. With the radix cache on, these requests hit the
+  prefix cached by the first phase (copy-on-write of a state that replay must materialise).
+
+Parity per configuration against the native server of the same model and speculation: the largest
+teacher-forced log-probability difference, and greedy agreement: tokens identical up to the first
+divergence, which must sit at a near-tie of native's (top-2 gap < ``--tie-gap``) — anything else is
+reported as a bug. Writes ``OUT/e2e_h200.json`` and ``OUT/e2e_h200.md``; server logs under
+``OUT/logs``. Exits 1 when a server fails to start or a divergence is not a near-tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+log = logging.getLogger("e2e")
+
+COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--sampling-backend", "pytorch",
+          "--mem-fraction-static", "0.4", "--max-running-requests", "32", "--context-length", "2048",
+          "--max-total-tokens", "65536", "--cuda-graph-backend-prefill", "disabled", "--mamba-ssm-dtype", "float32",
+          "--skip-server-warmup"]
+GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "40"]  # > --prompts: SGLang bug
+NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled"]
+SPEC = {
+    "nospec": [],
+    "nextn": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"],
+    "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+              "--speculative-ngram-max-bfs-breadth", "1"],
+}
+MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
+VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"]}
+MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
+
+
+def _matrix() -> dict[str, dict]:
+    out = {}
+    for model, spec_name in MODEL_SPEC.items():
+        for spec in ("nospec", spec_name):
+            for mode in MODES:
+                histories = (16, 32, 64) if mode == "replay" else (None,)
+                for history in histories:
+                    for variant in ((), ("nograph",), ("noradix",), ("bf16",)):
+                        name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
+                        out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
+    return out
+
+
+MATRIX = _matrix()
+"""Every configuration by name (the core matrix is the variant-less qwen3-next / kimi-linear rows with
+replay L16)."""
+
+
+def server_argv(cfg: dict, model_dir: Path, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--port", str(port),
+            *COMMON, *SPEC[cfg["spec"]], *MODES[cfg["mode"]]]
+    argv += NO_GRAPHS if "nograph" in cfg["variants"] else GRAPHS
+    for v in cfg["variants"]:
+        if v != "nograph":
+            argv += VARIANTS[v]
+    if cfg["history"]:
+        argv += ["--ssm-replay-history", str(cfg["history"])]
+    return argv
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _get(url: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+class Server:
+    """One ``launch_server`` process in its own process group, stopped by its PID."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.log_file = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        start = time.time()
+        while time.time() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+            try:
+                if _get(self.url + "/health", timeout=2) is not None:
+                    return time.time() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"no /health after {timeout:.0f} s; log tail:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        self.log_file.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log_file.close()
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
+
+
+def generate(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+    """Greedy continuations, sent concurrently; ``(per-prompt results, wall seconds)``."""
+    body = lambda p: {"input_ids": p, "return_logprob": True, "top_logprobs_num": 2,  # noqa: E731
+                      "logprob_start_len": len(p) - 1,
+                      "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    start = time.time()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        raw = list(pool.map(lambda p: _post(url + "/generate", body(p)), prompts))
+    wall = time.time() - start
+    out = []
+    for r in raw:
+        meta = r["meta_info"]
+        top = meta["output_top_logprobs"]
+        out.append({"tokens": r["output_ids"], "logprobs": [x[0] for x in meta["output_token_logprobs"]],
+                    "gaps": [t[0][0] - t[1][0] if t and len(t) > 1 else float("inf") for t in top],
+                    "verify_ct": meta.get("spec_verify_ct"), "completion_tokens": meta.get("completion_tokens")})
+    return out, wall
+
+
+def teacher_forced(url: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+    """Input log-probabilities of each sequence from ``starts[i]`` on (sent one by one: each hits the
+    prefix the generation phase left in the radix cache)."""
+    out = []
+    for seq, start in zip(sequences, starts):
+        r = _post(url + "/generate", {"input_ids": seq, "return_logprob": True, "logprob_start_len": start,
+                                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        out.append([x[0] for x in r["meta_info"]["input_token_logprobs"] if x[0] is not None])
+    return out
+
+
+def parity(native: dict, other: dict, tie_gap: float) -> dict:
+    """Greedy agreement and teacher-forced log-prob differences of ``other`` against ``native``."""
+    agree, total, divergences, max_gen_diff = 0, 0, [], 0.0
+    for i, (n, o) in enumerate(zip(native["gen"], other["gen"])):
+        total += len(n["tokens"])
+        same = 0
+        while same < min(len(n["tokens"]), len(o["tokens"])) and n["tokens"][same] == o["tokens"][same]:
+            same += 1
+        agree += same
+        for t in range(same):
+            max_gen_diff = max(max_gen_diff, abs(n["logprobs"][t] - o["logprobs"][t]))
+        if same < len(n["tokens"]):
+            gap = n["gaps"][same]
+            divergences.append({"prompt": i, "position": same, "native_top2_gap": gap, "near_tie": gap < tie_gap})
+    tf = [abs(a - b) for n, o in zip(native["tf"], other["tf"]) for a, b in zip(n, o)]
+    return {"greedy_agreement": agree / max(total, 1), "divergences": divergences,
+            "unexplained_divergences": sum(not d["near_tie"] for d in divergences),
+            "max_logprob_diff_generated": max_gen_diff, "max_logprob_diff_teacher_forced": max(tf, default=0.0),
+            "teacher_forced_tokens": len(tf)}
+
+
+def reference_key(cfg: dict) -> tuple:
+    """Which native server a configuration is judged against: same model, speculation and state dtype."""
+    return cfg["model"], cfg["spec"], "bf16" in cfg["variants"]
+
+
+def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[int]] | None) -> dict:
+    from sglang_ssm_modes.testing.models import make_test_model
+
+    model_dir = args.out / "models" / cfg["model"]
+    if not (model_dir / "config.json").exists():
+        make_test_model(cfg["model"], model_dir, seed=0)
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size", 512)
+    row = {"name": name, **cfg, "started": False}
+    server = Server(server_argv(cfg, model_dir, port), port, args.out / "logs" / f"{name}.log")
+    try:
+        row["start_s"] = round(server.wait_ready(args.start_timeout), 1)
+        row["started"] = True
+        prompts = make_prompts(args.prompts, args.prompt_len, vocab, seed=1)
+        gen, wall = generate(server.url, prompts, args.new_tokens)
+        base = native_tokens or [g["tokens"] for g in gen]
+        extra = make_prompts(len(prompts), 16, vocab, seed=2)
+        seqs = [p + b + e for p, b, e in zip(prompts, base, extra)]
+        row["gen"], row["tf"] = gen, teacher_forced(server.url, seqs, [len(p) for p in prompts])
+        tokens = sum(len(g["tokens"]) for g in gen)
+        verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
+        row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+                        "accept_length": round(tokens / sum(verify), 3) if verify else None}
+        info = json.loads(_get(server.url + "/get_server_info", timeout=30))
+        row["server"] = {k: info.get(k) for k in ("max_total_num_tokens", "max_running_requests",
+                                                  "max_mamba_cache_size") if k in info}
+        row["log_lines"] = [line for line in server.tail(100000).splitlines()
+                            if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
+    except Exception as e:  # reported in the row; the run goes on with the next server
+        row["error"] = f"{type(e).__name__}: {e}"[-3000:]
+        log.error("%s failed: %s", name, row["error"][-600:])
+    finally:
+        server.stop()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    p.add_argument("--configs", nargs="+", default=["qwen3-next-native-nextn", "qwen3-next-compact-nextn",
+                                                    "qwen3-next-replay-L16-nextn"])
+    p.add_argument("--list", action="store_true", help="print the configuration names and exit")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=40)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--tie-gap", type=float, default=0.05)
+    p.add_argument("--start-timeout", type=float, default=400)
+    p.add_argument("--port", type=int, default=30000)
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(MATRIX))
+        return 0
+    unknown = [c for c in args.configs if c not in MATRIX]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; --list prints the {len(MATRIX)} names")
+    if min(args.prompts, args.prompt_len, args.new_tokens) < 1 or args.prompts > 32:
+        p.error("--prompts (1..32, the server's --max-running-requests), --prompt-len and --new-tokens must be >= 1")
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    # natives first: every other configuration is judged against the native server of its model and spec
+    order = sorted(args.configs, key=lambda c: MATRIX[c]["mode"] != "native")
+    rows, native = [], {}  # reference key -> the native row
+    for i, name in enumerate(order):
+        cfg = MATRIX[name]
+        key = reference_key(cfg)
+        log.info("[%d/%d] %s", i + 1, len(order), name)
+        ref = native.get(key)
+        row = run_config(name, cfg, args, args.port + i, [g["tokens"] for g in ref["gen"]] if ref else None)
+        if cfg["mode"] == "native" and "gen" in row and key not in native:
+            native[key] = row
+        if cfg["mode"] != "native" and key in native and "gen" in row:
+            row["parity"] = parity(native[key], row, args.tie_gap)
+        rows.append(row)
+        _write(args.out, rows)
+    failed = [r["name"] for r in rows if not r["started"] or "error" in r
+              or r.get("parity", {}).get("unexplained_divergences", 0)]
+    log.info("done: %d configurations, failed: %s", len(rows), failed or "none")
+    return 1 if failed else 0
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    slim = [{k: v for k, v in r.items() if k not in ("gen", "tf")} for r in rows]
+    meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F")}
+    (out / "e2e_h200.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=1))
+    lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "
+             "unexplained div. | error |", "|" + "---|" * 10]
+    for r in slim:
+        par, sp = r.get("parity", {}), r.get("speed", {})
+        fmt = lambda x, f="{:.3g}": "" if x is None else f.format(x)  # noqa: E731
+        lines.append(f"| {r['name']} | {r['started']} | {fmt(r.get('start_s'))} | {fmt(sp.get('tokens_per_s'))} | "
+                     f"{fmt(sp.get('accept_length'))} | {fmt(par.get('greedy_agreement'))} | "
+                     f"{fmt(par.get('max_logprob_diff_teacher_forced'))} | {fmt(par.get('max_logprob_diff_generated'))} | "
+                     f"{fmt(par.get('unexplained_divergences'), '{}')} | {(r.get('error') or '')[:80]} |")
+    (out / "e2e_h200.md").write_text(f"# E2E servers — {meta}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

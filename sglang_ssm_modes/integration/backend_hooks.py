@@ -1,0 +1,213 @@
+"""Hooks on SGLang 0.5.14's linear-attention backends: the forward paths and the commit after a
+speculative verify, in the pool's state mode.
+
+Routing, per linear layer (``GDNAttnBackend`` / ``KDAAttnBackend``):
+
+=============  =====================  ==========================  =============================
+mode           decode (one token)      extend (prefill)            target verify (D tokens)
+=============  =====================  ==========================  =============================
+native         SGLang                  SGLang                      SGLang (GDN); ours (KDA, which
+                                                                   SGLang 0.5.14 cannot verify)
+compact        SGLang                  SGLang                      output-only + records
+replay         output-only + record    fold history, then SGLang   chain: output-only + records;
+                                                                   tree: compact's path
+=============  =====================  ==========================  =============================
+
+The conv window is SGLang's everywhere (its ``causal_conv1d_update`` / ``causal_conv1d_fn`` and,
+when verifying, its per-step conv-window scratch), so only the recurrent state changes hands.
+``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify`` (called by
+``commit_mamba_states_after_verify`` and directly by other workers) commits through
+:class:`~sglang_ssm_modes.acceptance.StateAcceptance` plus SGLang's conv-window scatter.
+
+Every hook leaves a backend whose pool is not a :class:`ModeMambaPool` to SGLang, and none of them
+synchronises with the host or allocates persistent memory, so CUDA-graph capture sees fixed buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..acceptance import StateAcceptance
+from ..ops.compact import compact_verify
+from ..ops.native import native_verify
+from ..ops.replay import advance, after_fold, clear_history, fold_needed, replay_fold, replay_verify
+from ..pool import ModeMambaPool
+
+
+def _mode_pool(backend) -> ModeMambaPool | None:
+    pool = getattr(backend.req_to_token_pool, "mamba_pool", None)
+    return pool if isinstance(pool, ModeMambaPool) else None
+
+
+def _is_kda(backend) -> bool:
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+
+    return isinstance(backend, KDAAttnBackend)
+
+
+def _conv_update(backend, layer, x, conv_states, kda: bool, **kwargs):
+    """SGLang's ``causal_conv1d_update`` as the backend module binds it (platform overrides
+    included), with the backend's activation."""
+    if kda:
+        from sglang.srt.layers.attention.linear import kda_backend as module
+
+        return module.causal_conv1d_update(x, conv_states, layer.conv_weights, layer.bias, activation="silu", **kwargs)
+    from sglang.srt.layers.attention.linear import gdn_backend as module
+
+    return module.causal_conv1d_update(x, conv_states, layer.conv_weights, layer.bias, layer.activation, **kwargs)
+
+
+def _split_heads(layer, mixed: torch.Tensor):
+    """``q, k`` ``[1, T, H, K]`` and ``v`` ``[1, T, HV, V]`` from conv outputs ``[T, q + k + v]``."""
+    q, k, v = mixed.split([layer.q_dim, layer.k_dim, layer.v_dim], dim=-1)
+    return (q.unflatten(-1, (-1, layer.head_q_dim)).unsqueeze(0), k.unflatten(-1, (-1, layer.head_k_dim)).unsqueeze(0),
+            v.unflatten(-1, (-1, layer.head_v_dim)).unsqueeze(0))
+
+
+def _gates(a: torch.Tensor, b: torch.Tensor, tokens: int, kda: bool):
+    """The gate inputs in the layout the mode kernels take: ``a`` ``[T, HV]`` (GDN) or ``[T, HV * K]``
+    (KDA), ``b`` ``[T, HV]``."""
+    return a.reshape(tokens, -1), b.reshape(tokens, -1)
+
+
+def _fold_where_needed(ssm_states, ring, indices, window: int, kda: bool) -> None:
+    """Fold the histories that a window of ``window`` tokens would overflow (device-side mask)."""
+    need = fold_needed(ring, indices, window)
+    replay_fold(ssm_states, indices, ring, indices, need, is_kda=kda)
+    after_fold(ring, indices, need)
+
+
+def _fold_all(ssm_states, ring, indices, kda: bool) -> None:
+    """Fold every history of ``indices`` into its checkpoint (the checkpoint becomes canonical)."""
+    everything = indices >= 0
+    replay_fold(ssm_states, indices, ring, indices, everything, is_kda=kda)
+    after_fold(ring, indices, everything)
+
+
+def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b, kda: bool) -> torch.Tensor:
+    """Target verify of one linear layer in the pool's mode: SGLang's conv update (with its per-step
+    conv-window scratch and tree parents), then the mode's output-only (or native per-step) kernel."""
+    md = backend.forward_metadata
+    draft = forward_batch.spec_info.draft_token_num
+    tokens = mixed_qkv.shape[0]
+    bs = tokens // draft
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    local = backend.req_to_token_pool.mamba_map[layer.layer_id]
+    conv_states, window = cache.conv[0], cache.intermediate_conv_window[0]
+    if kda:  # KimiLinearStateShape keeps [K - 1, conv_dim]; SGLang's kernels take the transposed view
+        conv_states, window = conv_states.transpose(-1, -2), window.transpose(-1, -2)
+    rows = pool.record_rows[:bs]
+    tree = md.retrieve_next_token is not None
+    x = _conv_update(backend, layer, mixed_qkv.view(bs, draft, -1).transpose(1, 2), conv_states, kda,
+                     conv_state_indices=md.mamba_cache_indices[:bs], intermediate_conv_window=window,
+                     intermediate_state_indices=rows, retrieve_next_token=md.retrieve_next_token,
+                     retrieve_next_sibling=md.retrieve_next_sibling, retrieve_parent_token=md.retrieve_parent_token)
+    q, k, v = _split_heads(layer, x.transpose(1, 2).reshape(tokens, -1))
+    a, b = _gates(a, b, tokens, kda)
+    ssm, indices = cache.temporal, md.mamba_cache_indices[:bs]
+    parents = md.retrieve_parent_token if tree else None
+    common = dict(is_kda=kda, beta_activated=kda, scale=layer.head_k_dim ** -0.5)
+    if pool.verify_path == "native":  # KDA only: SGLang 0.5.14 has no KDA verify
+        return native_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, cache.intermediate_ssm, rows,
+                             retrieve_parent_token=parents, **common)
+    if pool.mode == "replay":
+        ring = pool.layer_ring(local)
+        if pool.verify_path == "replay":
+            _fold_where_needed(ssm, ring, indices, draft, kda)
+            return replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, **common)
+        _fold_all(ssm, ring, indices, kda)  # tree: compact's path from the canonical checkpoint
+    return compact_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, pool.layer_records(local), rows,
+                          retrieve_parent_token=parents, **common)
+
+
+def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b, kda: bool) -> torch.Tensor:
+    """Plain decode in replay mode: SGLang's conv update, then the output of one token from checkpoint
+    + history, its record appended and the cursor moved by one; extra_buffer tracking materialises the
+    tracked requests' states into their track slots."""
+    md = backend.forward_metadata
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
+    conv_states = cache.conv[0].transpose(-1, -2) if kda else cache.conv[0]
+    indices = md.mamba_cache_indices
+    x = _conv_update(backend, layer, mixed_qkv, conv_states, kda, conv_state_indices=indices)
+    tokens = x.shape[0]
+    q, k, v = _split_heads(layer, x)
+    a, b = _gates(a, b, tokens, kda)
+    ssm = cache.temporal
+    _fold_where_needed(ssm, ring, indices, 1, kda)
+    o = replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
+                      scale=layer.head_k_dim ** -0.5)
+    advance(ring, indices, (indices >= 0).to(torch.int32))
+    if forward_batch.mamba_track_mask is not None:
+        _track_decode(cache.conv[0], ssm, ring, indices, forward_batch, kda)
+    return o
+
+
+def _track_decode(conv_states, ssm, ring, indices, forward_batch, kda: bool) -> None:
+    """extra_buffer radix strategy after a replay decode: the tracked requests' committed conv window
+    and materialised state go to their track slots, whose histories start empty."""
+    bs = forward_batch.batch_size
+    mask = forward_batch.mamba_track_mask[:bs] & (indices[:bs] >= 0)
+    track = torch.where(mask, forward_batch.mamba_track_indices[:bs].to(indices.dtype), -1)
+    src = indices[:bs]
+    rows = torch.where(mask, track, 0).long()
+    conv_states.index_copy_(0, rows, torch.where(mask.view(-1, *[1] * (conv_states.dim() - 1)),
+                                                 conv_states[src.clamp_min(0).long()], conv_states[rows]))
+    replay_fold(ssm, src, ring, src, mask, is_kda=kda, dst=ssm, dst_indices=track)
+    clear_history(ring, track, mask)
+
+
+def _replay_extend(backend, pool: ModeMambaPool, layer) -> None:
+    """Before a replay-mode prefill of one layer: fold the batch's histories (decode requests riding
+    in a mixed batch, or none) so SGLang's chunked kernel continues from the canonical state."""
+    md = backend.forward_metadata
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
+    _fold_all(cache.temporal, ring, md.mamba_cache_indices, _is_kda(backend))
+
+
+# ---- hooks (AROUND: fn(original, self, ...)) ---------------------------------------------------
+# SGLang's HybridLinearAttnBackend calls the linear backend with keywords only (KDA's forward_decode has
+# no forward_batch parameter), so the originals are called the same way.
+
+def forward_decode(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """``GDNAttnBackend.forward_decode`` / ``KDAAttnBackend.forward_decode``."""
+    pool = _mode_pool(self)
+    if pool is None or pool.mode != "replay":
+        return original(self, layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv, a=a, b=b, **kwargs)
+    return _replay_decode(self, pool, layer, forward_batch, mixed_qkv, a, b, _is_kda(self))
+
+
+def forward_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """``GDNAttnBackend.forward_extend`` / ``KDAAttnBackend.forward_extend``."""
+    pool = _mode_pool(self)
+    kda = _is_kda(self)
+    if pool is not None and forward_batch.forward_mode.is_target_verify():
+        if pool.verify_path != "native" or kda:
+            return _verify(self, pool, layer, forward_batch, mixed_qkv, a, b, kda)
+    elif pool is not None and pool.mode == "replay":
+        _replay_extend(self, pool, layer)
+    return original(self, layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv, a=a, b=b, **kwargs)
+
+
+def update_mamba_state_after_mtp_verify(original, self, last_correct_step_indices, mamba_track_indices,
+                                        mamba_steps_to_track, model):
+    """``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: compact and replay commit the
+    state through :class:`StateAcceptance`, the conv window through SGLang's scatter."""
+    linear = self.linear_attn_backend
+    pool = _mode_pool(linear)
+    if pool is None or pool.mode == "native":
+        return original(self, last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model)
+    from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_conv_window_scatter_with_mask
+
+    n = last_correct_step_indices.shape[0]
+    md = linear.forward_metadata
+    state_indices = md.mamba_cache_indices[:n]
+    tree = md.retrieve_parent_token if pool.tree_verify else None
+    conv_states, window = pool.mamba_cache.conv[0], pool.mamba_cache.intermediate_conv_window[0]
+    if mamba_track_indices is not None:
+        fused_conv_window_scatter_with_mask(conv_states, window, mamba_track_indices, mamba_steps_to_track)
+    fused_conv_window_scatter_with_mask(conv_states, window, state_indices, last_correct_step_indices)
+    acceptance = pool.__dict__.setdefault("state_acceptance", StateAcceptance(pool))
+    acceptance.commit(state_indices, last_correct_step_indices, track_indices=mamba_track_indices,
+                      steps_to_track=mamba_steps_to_track, retrieve_parent_token=tree[:n] if tree is not None else None)

@@ -1,0 +1,110 @@
+"""Hooks that build the mode's pool inside SGLang 0.5.14 and size it: ``HybridReqToTokenPool._init_mamba_pool``
+(the pool) and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache`` (how many pool slots fit, so memory a
+mode saves becomes more running requests or more radix cache).
+
+The mode comes from the server arguments (``ServerArgs.ssm_mode_config``, set at startup by the plugin);
+without one every hook is SGLang's own behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..config import SSMModeConfig
+from ..ops.compact import CompactRecordBuffers
+from ..ops.replay import ReplayRing
+from ..pool import LinearHeads, init_mode_mamba_pool
+
+logger = logging.getLogger(__name__)
+GB = 1 << 30
+
+
+def server_mode_config() -> SSMModeConfig | None:
+    """The mode chosen at startup, from SGLang's global server arguments (None before they are set
+    or when the plugin did not configure them)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        return getattr(get_global_server_args(), "ssm_mode_config", None)
+    except ValueError:  # "Global server args is not set yet!"
+        return None
+
+
+def init_mamba_pool(original, self, **kwargs):
+    """AROUND ``HybridReqToTokenPool._init_mamba_pool``: the mode's :class:`ModeMambaPool`."""
+    cfg = server_mode_config()
+    if cfg is None:
+        return original(self, **kwargs)
+    from .plugin import unapplied_hooks
+
+    missing = unapplied_hooks()
+    if cfg.mode != "native" and missing:
+        raise RuntimeError(f"--ssm-state-mode {cfg.mode}: SGLang did not apply these hooks of sglang-ssm-modes "
+                           f"(see its log for why): {', '.join(missing)}. Is the installed SGLang 0.5.14?")
+    draft = kwargs.get("speculative_num_draft_tokens") or 1
+    if draft != cfg.draft_tokens:  # the pool's verify width is SGLang's final one
+        cfg = dataclasses.replace(cfg, draft_tokens=draft)
+    init_mode_mamba_pool(original, self, cfg, **kwargs)
+
+
+def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | None) -> tuple[int, int]:
+    """``(slot, running)`` bytes over all linear layers on this rank: what every pool slot holds (SGLang's
+    ``mamba_cache_per_req`` plus, for replay, its ring and cursors) and what only a running request adds
+    when speculating (compact's records, the conv-window scratch). Measured from the buffers the pool
+    allocates (on the meta device), so sizing and pool cannot disagree."""
+    heads = LinearHeads.from_cache_params(cache_params)
+    layers, act = len(cache_params.layers), cache_params.dtype.conv
+    is_kda = heads.family == "kda"
+    dims = (heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim)
+    slot = cache_params.mamba_cache_per_req
+    running = 0
+    if cfg.mode == "replay":
+        ring = ReplayRing.allocate(1, cfg.replay_history, *dims, is_kda, act, "meta")
+        slot += layers * sum(t.nbytes for t in ring.buffers().values())
+    if cfg.speculative:
+        conv = sum(c[0] * c[1] for c in cache_params.shape.conv)  # conv_dim x (K - 1) (either order)
+        kernel_minus_1 = min(cache_params.shape.conv[0])
+        columns = cfg.draft_tokens + kernel_minus_1 - 1 if (eagle_topk or 1) <= 1 and not is_kda \
+            else cfg.draft_tokens * kernel_minus_1
+        running += layers * (conv // kernel_minus_1) * columns * act.itemsize
+        if cfg.mode == "compact" or (cfg.mode == "replay" and (eagle_topk or 1) > 1):
+            rec = CompactRecordBuffers.allocate(1, cfg.draft_tokens, *dims, is_kda, act, "meta")
+            running += layers * sum(t.nbytes for t in dataclasses.astuple(rec))
+    return slot, running
+
+
+def handle_max_mamba_cache(original, self, total_rest_memory):
+    """AROUND ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: native is SGLang's; compact and replay
+    fit the pool with their own per-slot and per-running-request bytes, along SGLang's three branches
+    (explicit ``--max-mamba-cache-size``; no radix cache with ``--max-running-requests``; the memory
+    ratio split), and log the result."""
+    cfg = server_mode_config()
+    if cfg is None or cfg.mode == "native":
+        return original(self, total_rest_memory)
+    sa = self.server_args
+    dp = self.dp_size if sa.enable_dp_attention else 1
+    slot, running = mode_bytes_per_request(cfg, self.mambaish_config.mamba2_cache_params, sa.speculative_eagle_topk)
+    spec = not self.spec_algorithm.is_none()
+    ratio = self._calculate_mamba_ratio() if spec else 1
+    if sa.max_mamba_cache_size is not None:
+        sa.max_mamba_cache_size //= dp
+    elif sa.disable_radix_cache and sa.max_running_requests is not None:
+        sa.max_mamba_cache_size = sa.max_running_requests // dp
+    else:
+        budget = total_rest_memory * sa.mamba_full_memory_ratio / (1 + sa.mamba_full_memory_ratio) * GB
+        per_slot = slot + (running / ratio if spec else 0)
+        sa.max_mamba_cache_size = int(budget // per_slot)
+    running_reqs = 0
+    if spec:
+        running_reqs = min(sa.max_running_requests // dp, sa.max_mamba_cache_size // ratio)
+    reserved = (running * running_reqs + slot * sa.max_mamba_cache_size) / GB
+    if sa.max_mamba_cache_size <= 0:
+        raise RuntimeError(
+            f"Not enough GPU memory for the linear-attention state in --ssm-state-mode {cfg.mode}: "
+            f"max_mamba_cache_size={sa.max_mamba_cache_size} ({slot / (1 << 20):.2f} MiB per slot). Reduce "
+            "--max-running-requests or --ssm-replay-history, or raise --mem-fraction-static.")
+    logger.info("sglang-ssm-modes: %s: %.2f MiB per pool slot + %.2f MiB per running request when speculating; "
+                "%d pool slots (%.2f GiB)", cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size,
+                reserved)
+    return total_rest_memory - reserved

@@ -1,0 +1,52 @@
+"""Startup validation of the state mode against the model and the rest of the server arguments, before
+any weights load. The model family comes from SGLang 0.5.14's own detection (``ModelRunner``'s
+``hybrid_gdn_config`` / ``kimi_linear_config`` properties on the model's config class), never from a
+list of names kept here. Every refusal is one :class:`SSMModeConfigError` naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ..config import FLAG_MODE, SSMModeConfig, SSMModeConfigError
+
+
+def linear_family(server_args) -> tuple[str | None, str]:
+    """``(family, config class name)``: ``"gdn"``, ``"kda"`` or None (not a GDN / KDA hybrid), read
+    from the model's config through SGLang's own ``ModelConfig`` and ``ModelRunner`` properties."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    model_config = ModelConfig.from_server_args(server_args)
+    runner = SimpleNamespace(model_config=model_config)
+    name = type(model_config.hf_config).__name__
+    if ModelRunner.hybrid_gdn_config.fget(runner) is not None:
+        return "gdn", name
+    if ModelRunner.kimi_linear_config.fget(runner) is not None:
+        return "kda", name
+    return None, name
+
+
+def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_name: str) -> None:
+    """Refuse, with the flag and the fix, what the mode cannot serve with these arguments."""
+    if cfg.mode == "native":
+        return
+    flag = f"{FLAG_MODE} {cfg.mode}"
+    if family is None:
+        raise SSMModeConfigError(
+            f"{flag} stores the recurrent state of Gated DeltaNet / Kimi Delta Attention layers, and this model "
+            f"({config_name}) has none: drop {FLAG_MODE} (or pass {FLAG_MODE} native)")
+    if cfg.mode != "replay":
+        return
+    refused = (
+        (server_args.enable_hierarchical_cache, "--enable-hierarchical-cache",
+         "HiCache's host transfers read the raw state buffers, which replay does not materialise before them yet"),
+        (server_args.disaggregation_mode not in (None, "null"), f"--disaggregation-mode {server_args.disaggregation_mode}",
+         "PD transfer is not wired to replay's materialisation yet"),
+        (getattr(server_args, "enable_int8_mamba_checkpoint", False), "--enable-int8-mamba-checkpoint",
+         "int8 checkpoints are stored from the raw active slot, which replay does not materialise first yet"),
+    )
+    for hit, other, why in refused:
+        if hit:
+            raise SSMModeConfigError(f"{flag} cannot be combined with {other}: {why}. Use {FLAG_MODE} compact "
+                                     f"(its state is always canonical) or drop {other}")

@@ -1,0 +1,64 @@
+"""A stand-in for ``sglang.launch_server`` speaking the few endpoints scripts/e2e_servers.py uses
+(``/health``, ``/generate``, ``/get_server_info``), so the script's own logic runs in the CPU tests.
+
+    python fake_sglang_server.py PORT BEHAVIOUR
+
+Greedy tokens and log-probabilities are a deterministic function of the input ids. BEHAVIOUR:
+``exact`` (as native), ``noisy`` (log-probs off by 1e-6), ``tie`` (diverges where the top-2 gap is a
+near-tie), ``wrong`` (diverges where it is not), ``crash`` (exits before answering).
+"""
+
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT, BEHAVIOUR = int(sys.argv[1]), sys.argv[2]
+VOCAB = 97
+
+
+def next_token(ids):
+    return (sum(ids[-3:]) * 31 + len(ids)) % VOCAB
+
+
+def logprob(ids, t):
+    return -((sum(ids) + t) % 13) / 7 - (1e-6 if BEHAVIOUR == "noisy" else 0.0)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"max_total_num_tokens": 65536, "max_running_requests": 32} if "server_info" in self.path else {})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids, start = list(req["input_ids"]), req.get("logprob_start_len", 0)
+        input_lp = [[None, ids[0], None]] + [[logprob(ids[:i], ids[i]), ids[i], None] for i in range(1, len(ids))]
+        out, out_lp, top = [], [], []
+        for step in range(req["sampling_params"]["max_new_tokens"]):
+            t = next_token(ids)
+            gap = 0.01 if step == 5 else 1.0  # every server: a near-tie at step 5 only
+            diverge_at = {"tie": 5, "wrong": 7}.get(BEHAVIOUR)
+            if step == diverge_at and len(ids) > 30:  # generation, not the teacher-forced calls
+                t = (t + 1) % VOCAB
+            out.append(t)
+            out_lp.append([logprob(ids, t), t, None])
+            top.append([[logprob(ids, t), t, None], [logprob(ids, t) - gap, (t + 1) % VOCAB, None]])
+            ids.append(t)
+        self._send({"output_ids": out, "meta_info": {
+            "input_token_logprobs": input_lp[start:], "output_token_logprobs": out_lp, "output_top_logprobs": top,
+            "completion_tokens": len(out), "spec_verify_ct": max(1, len(out) // 3)}})
+
+
+if BEHAVIOUR == "crash":
+    sys.exit(3)
+ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

@@ -1,0 +1,90 @@
+"""scripts/e2e_servers.py end to end against stand-in servers (tests/fake_sglang_server.py): the real
+script starts one process per configuration, sends the requests, judges parity against native and
+writes its reports; what it would start on the GPU is checked against SGLang's real parser."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import e2e_servers  # noqa: E402
+
+FAKE = Path(__file__).with_name("fake_sglang_server.py")
+
+
+@pytest.fixture
+def fake_servers(monkeypatch, tmp_path):
+    """Each mode's server is the stand-in with a behaviour: compact exact, replay noisy; the
+    ``bf16`` variant is a near-tie divergence, ``nograph`` a real one, ``noradix`` a crash."""
+    behaviour = {"native": "exact", "compact": "exact", "replay": "noisy"}
+    variant = {"bf16": "tie", "nograph": "wrong", "noradix": "crash"}
+
+    def argv(cfg, model_dir, port):
+        b = variant[cfg["variants"][0]] if cfg["variants"] and cfg["mode"] != "native" else behaviour[cfg["mode"]]
+        return [sys.executable, str(FAKE), str(port), b]
+
+    monkeypatch.setattr(e2e_servers, "server_argv", argv)
+    for model in ("qwen3-next", "kimi-linear"):
+        (tmp_path / "models" / model).mkdir(parents=True)
+        (tmp_path / "models" / model / "config.json").write_text(json.dumps({"vocab_size": 97}))
+    return tmp_path
+
+
+def test_parity_and_reports(fake_servers):
+    out = fake_servers
+    configs = ["qwen3-next-compact-nextn", "qwen3-next-replay-L16-nextn", "qwen3-next-native-nextn",
+               "qwen3-next-native-nextn-bf16", "qwen3-next-compact-nextn-bf16"]
+    rc = e2e_servers.main(["--out", str(out), "--configs", *configs, "--prompts", "3", "--new-tokens", "12",
+                           "--port", "31900", "--start-timeout", "60"])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
+    assert list(rows)[:2] == ["qwen3-next-native-nextn", "qwen3-next-native-nextn-bf16"], "natives run first"
+    compact = rows["qwen3-next-compact-nextn"]["parity"]
+    assert compact["greedy_agreement"] == 1.0 and compact["max_logprob_diff_teacher_forced"] == 0.0
+    assert compact["teacher_forced_tokens"] == 3 * 12 + (16 + 23 + 30)  # continuation + extra tokens (16 + 7 i)
+    replay = rows["qwen3-next-replay-L16-nextn"]["parity"]
+    assert 0 < replay["max_logprob_diff_teacher_forced"] < 1e-5 and replay["greedy_agreement"] == 1.0
+    tie = rows["qwen3-next-compact-nextn-bf16"]["parity"]
+    assert tie["divergences"] and all(d["near_tie"] and d["position"] == 5 for d in tie["divergences"])
+    assert tie["unexplained_divergences"] == 0
+    assert rows["qwen3-next-compact-nextn"]["speed"]["accept_length"] == pytest.approx(3.0)
+    assert "qwen3-next-compact-nextn" in (out / "e2e_h200.md").read_text()
+
+
+def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
+    out = fake_servers
+    rc = e2e_servers.main(["--out", str(out), "--configs", "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
+                           "kimi-linear-replay-L16-ngram-noradix", "--prompts", "2", "--new-tokens", "8",
+                           "--port", "31950", "--start-timeout", "60"])
+    assert rc == 1
+    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
+    assert rows["kimi-linear-compact-ngram-nograph"]["parity"]["unexplained_divergences"] == 2
+    crashed = rows["kimi-linear-replay-L16-ngram-noradix"]
+    assert not crashed["started"] and "exited with 3" in crashed["error"]
+
+
+def test_arguments_are_validated():
+    for argv, message in ((["--configs", "nope"], "unknown configuration"), (["--prompts", "0"], "--prompts")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "e2e_servers.py"), *argv], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_every_configuration_parses_with_sglangs_parser_and_the_plugin(tmp_path):
+    """Each of the matrix's server command lines is accepted by SGLang 0.5.14's own parser with the
+    plugin loaded (in a subprocess: hooks stay out of this process)."""
+    driver = (
+        "import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
+        "import argparse\nfrom sglang.srt.server_args import ServerArgs\n"
+        "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
+        "bad = []\nfor name, argv in json.loads(sys.argv[1]).items():\n"
+        "    try: p.parse_args(argv)\n    except SystemExit: bad.append(name)\nprint(json.dumps(bad))\n")
+    lines = {name: e2e_servers.server_argv(cfg, tmp_path, 30000)[3:] for name, cfg in e2e_servers.MATRIX.items()}
+    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(lines)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
