@@ -175,24 +175,32 @@ def teacher_forced(url: str, sequences: list[list[int]], starts: list[int]) -> l
     return out
 
 
+def _percentiles(values: list[float], qs) -> list[float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs]
+
+
 def parity(native: dict, other: dict, tie_gap: float) -> dict:
     """Greedy agreement and teacher-forced log-prob differences of ``other`` against ``native``."""
-    agree, total, divergences, max_gen_diff = 0, 0, [], 0.0
+    agree, total, divergences, gen_diffs = 0, 0, [], []
     for i, (n, o) in enumerate(zip(native["gen"], other["gen"])):
         total += len(n["tokens"])
         same = 0
         while same < min(len(n["tokens"]), len(o["tokens"])) and n["tokens"][same] == o["tokens"][same]:
             same += 1
         agree += same
-        for t in range(same):
-            max_gen_diff = max(max_gen_diff, abs(n["logprobs"][t] - o["logprobs"][t]))
+        gen_diffs += [abs(n["logprobs"][t] - o["logprobs"][t]) for t in range(same)]
         if same < len(n["tokens"]):
             gap = n["gaps"][same]
             divergences.append({"prompt": i, "position": same, "native_top2_gap": gap, "near_tie": gap < tie_gap})
     tf = [abs(a - b) for n, o in zip(native["tf"], other["tf"]) for a, b in zip(n, o)]
     return {"greedy_agreement": agree / max(total, 1), "divergences": divergences,
             "unexplained_divergences": sum(not d["near_tie"] for d in divergences),
-            "max_logprob_diff_generated": max_gen_diff, "max_logprob_diff_teacher_forced": max(tf, default=0.0),
+            "max_logprob_diff_generated": max(gen_diffs, default=0.0),
+            "p50_p99_logprob_diff_generated": _percentiles(gen_diffs, (0.5, 0.99)),
+            "max_logprob_diff_teacher_forced": max(tf, default=0.0),
             "teacher_forced_tokens": len(tf)}
 
 
@@ -214,6 +222,7 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         row["start_s"] = round(server.wait_ready(args.start_timeout), 1)
         row["started"] = True
         prompts = make_prompts(args.prompts, args.prompt_len, vocab, seed=1)
+        generate(server.url, make_prompts(args.prompts, args.prompt_len, vocab, seed=3), 8)  # compile, warm up
         gen, wall = generate(server.url, prompts, args.new_tokens)
         base = native_tokens or [g["tokens"] for g in gen]
         extra = make_prompts(len(prompts), 16, vocab, seed=2)
@@ -223,9 +232,9 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
         row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                         "accept_length": round(tokens / sum(verify), 3) if verify else None}
-        info = json.loads(_get(server.url + "/get_server_info", timeout=30))
+        info = json.loads(_get(server.url + "/server_info", timeout=30))
         row["server"] = {k: info.get(k) for k in ("max_total_num_tokens", "max_running_requests",
-                                                  "max_mamba_cache_size") if k in info}
+                                                  "max_mamba_cache_size", "ssm_mode_config") if k in info}
         row["log_lines"] = [line for line in server.tail(100000).splitlines()
                             if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
     except Exception as e:  # reported in the row; the run goes on with the next server

@@ -115,6 +115,12 @@ class SSMModeConfig:
             _as_dtype(self.activation_dtype, FLAG_ACTIVATION_DTYPE, "activation"),
         )
 
+    def to_dict(self) -> dict:
+        """Plain values only (dtypes by name): what travels on SGLang's ``ServerArgs`` and shows in
+        its ``/server_info``; ``SSMModeConfig(**d)`` restores the configuration."""
+        return {"mode": self.mode, "replay_history": self.replay_history, "draft_tokens": self.draft_tokens,
+                "state_dtype": dtype_name(self.state_dtype), "activation_dtype": dtype_name(self.activation_dtype)}
+
     @property
     def ring_records(self) -> int:
         """Records kept per request, layer and head: 2·L for replay, D for compact, 0 for native."""

@@ -1,5 +1,5 @@
 """A stand-in for ``sglang.launch_server`` speaking the few endpoints scripts/e2e_servers.py uses
-(``/health``, ``/generate``, ``/get_server_info``), so the script's own logic runs in the CPU tests.
+(``/health``, ``/generate``, ``/server_info``), so the script's own logic runs in the CPU tests.
 
     python fake_sglang_server.py PORT BEHAVIOUR
 

@@ -126,14 +126,18 @@ def test_rounds_of_verify_and_commit_agree_with_native(state_dtype, monkeypatch)
                                                           needs_cpu_seq_lens=False), backends[m], [])
                for m, p in pools.items()}
     slots = torch.tensor([3, 0, -1, 5, 2], dtype=torch.int32, device=DEV)
-    for _ in range(rounds):
+    for r in range(rounds):
         inputs = [verify_inputs(slots.shape[0], draft, gen) for _ in layers]
         outs = {m: [verify(backends[m], layer, slots, draft, x) for layer, x in zip(layers, inputs)] for m in pools}
         accepted = torch.randint(0, draft + 1, (slots.shape[0],), generator=gen).to(DEV)
         for m in pools:
             commit(hybrids[m], (accepted - 1).to(torch.int64))
-        assert all(torch.equal(a, b) for a, b in zip(outs["compact"], outs["native"]))
-    native, compact = pools["native"].mamba_pool, pools["compact"].mamba_pool
+        real = (slots >= 0).repeat_interleave(draft)  # SGLang's kernel leaves padding rows' outputs unwritten
+        for a, b in zip(outs["compact"], outs["native"]):
+            assert torch.equal(a[0, real], b[0, real]), f"round {r}: compact outputs differ from native"
+        native, compact = pools["native"].mamba_pool, pools["compact"].mamba_pool
+        assert torch.equal(compact.mamba_cache.temporal, native.mamba_cache.temporal), f"round {r}: state"
+        assert torch.equal(compact.mamba_cache.conv[0], native.mamba_cache.conv[0]), f"round {r}: conv"
     assert torch.equal(compact.mamba_cache.temporal, native.mamba_cache.temporal)
     assert torch.equal(compact.mamba_cache.conv[0], native.mamba_cache.conv[0])
     replay = pools["replay"].mamba_pool

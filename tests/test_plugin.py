@@ -47,7 +47,8 @@ DRIVER = textwrap.dedent("""
                 argv = [a for a in argv if a != "@llama"]
                 sa = prepare_server_args(["--model-path", path, "--device", "cpu", "--disable-radix-cache", *argv])
             c = sa.ssm_mode_config
-            out[name] = {"mode": c.mode, "history": c.replay_history, "draft_tokens": c.draft_tokens}
+            json.dumps(c)  # plain values: SGLang serialises its server args (/server_info)
+            out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"]}
         except SystemExit as e:
             out[name] = {"exit": e.code, "stderr": err.getvalue()[-400:]}
         except Exception as e:

@@ -6,7 +6,8 @@ Hooks:
 
 * ``ServerArgs.add_cli_args`` / ``ServerArgs.from_cli_args``: the flags, resolved and validated once
   SGLang's own argument handling is done — before any weights load; the result is attached to the
-  ``ServerArgs`` as ``ssm_mode_config`` (it travels with them to every scheduler process);
+  ``ServerArgs`` as ``ssm_mode_config`` (a dict of plain values: it travels with them to every scheduler
+  process and shows in ``/server_info``);
 * ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
   mode's pool and its sizing (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
@@ -53,7 +54,7 @@ def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
     if cfg.mode != "native":
         family, config_name = linear_family(server_args)
         validate_mode(cfg, server_args, family, config_name)
-    server_args.ssm_mode_config = cfg
+    server_args.ssm_mode_config = cfg.to_dict()  # plain values: SGLang serialises its server args
     logger.info("sglang-ssm-modes: %s", cfg)
     return server_args
 

@@ -26,9 +26,10 @@ def server_mode_config() -> SSMModeConfig | None:
     from sglang.srt.server_args import get_global_server_args
 
     try:
-        return getattr(get_global_server_args(), "ssm_mode_config", None)
+        settings = getattr(get_global_server_args(), "ssm_mode_config", None)
     except ValueError:  # "Global server args is not set yet!"
         return None
+    return None if settings is None else SSMModeConfig(**settings)
 
 
 def init_mamba_pool(original, self, **kwargs):
