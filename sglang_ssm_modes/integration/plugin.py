@@ -20,6 +20,7 @@ was applied and refuses to start otherwise, so a mode is never silently served b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from . import backend_hooks, pool_hooks
@@ -52,8 +53,10 @@ def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
     draft = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None
     cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=getattr(server_args, "mamba_ssm_dtype", None))
     if cfg.mode != "native":
-        family, config_name = linear_family(server_args)
+        family, config_name, activation_dtype = linear_family(server_args)
         validate_mode(cfg, server_args, family, config_name)
+        # records hold raw k / v as the model computes them: in the dtype SGLang runs the model in
+        cfg = dataclasses.replace(cfg, activation_dtype=activation_dtype)
     server_args.ssm_mode_config = cfg.to_dict()  # plain values: SGLang serialises its server args
     logger.info("sglang-ssm-modes: %s", cfg)
     return server_args

@@ -55,7 +55,7 @@ def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | N
     when speculating (compact's records, the conv-window scratch). Measured from the buffers the pool
     allocates (on the meta device), so sizing and pool cannot disagree."""
     heads = LinearHeads.from_cache_params(cache_params)
-    layers, act = len(cache_params.layers), cache_params.dtype.conv
+    layers, act, conv_dtype = len(cache_params.layers), cfg.activation_dtype, cache_params.dtype.conv
     is_kda = heads.family == "kda"
     dims = (heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim)
     slot = cache_params.mamba_cache_per_req
@@ -68,7 +68,7 @@ def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | N
         kernel_minus_1 = min(cache_params.shape.conv[0])
         columns = cfg.draft_tokens + kernel_minus_1 - 1 if (eagle_topk or 1) <= 1 and not is_kda \
             else cfg.draft_tokens * kernel_minus_1
-        running += layers * (conv // kernel_minus_1) * columns * act.itemsize
+        running += layers * (conv // kernel_minus_1) * columns * conv_dtype.itemsize
         if cfg.mode == "compact" or (cfg.mode == "replay" and (eagle_topk or 1) > 1):
             rec = CompactRecordBuffers.allocate(1, cfg.draft_tokens, *dims, is_kda, act, "meta")
             running += layers * sum(t.nbytes for t in dataclasses.astuple(rec))

@@ -8,23 +8,27 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch  # noqa: F401  (annotations)
+
 from ..config import FLAG_MODE, SSMModeConfig, SSMModeConfigError
 
 
-def linear_family(server_args) -> tuple[str | None, str]:
-    """``(family, config class name)``: ``"gdn"``, ``"kda"`` or None (not a GDN / KDA hybrid), read
-    from the model's config through SGLang's own ``ModelConfig`` and ``ModelRunner`` properties."""
+def linear_family(server_args) -> tuple[str | None, str, "torch.dtype"]:
+    """``(family, config class name, activation dtype)``: ``"gdn"``, ``"kda"`` or None (not a GDN / KDA
+    hybrid), read from the model's config through SGLang's own ``ModelConfig`` and ``ModelRunner``
+    properties; the dtype is the one SGLang will run the model in (``--dtype``, else the config's)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     model_config = ModelConfig.from_server_args(server_args)
     runner = SimpleNamespace(model_config=model_config)
     name = type(model_config.hf_config).__name__
+    dtype = model_config.dtype
     if ModelRunner.hybrid_gdn_config.fget(runner) is not None:
-        return "gdn", name
+        return "gdn", name, dtype
     if ModelRunner.kimi_linear_config.fget(runner) is not None:
-        return "kda", name
-    return None, name
+        return "kda", name, dtype
+    return None, name, dtype
 
 
 def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_name: str) -> None:

@@ -149,12 +149,13 @@ class ModeMambaPool(MambaPool):
         self.heads = h = LinearHeads.from_cache_params(cache_params)
         self.tree_verify = (eagle_topk or 1) > 1
         self.compact_records = self.replay_rings = None
-        act, is_kda = cache_params.dtype.conv, h.family == "kda"
+        is_kda = h.family == "kda"
+        act = mode_config.activation_dtype  # raw k / v records: the model's activation dtype
         speculative = mode_config.draft_tokens > 1
         if mode_config.mode != "native" and speculative:
             views, phys = conv_window_scratch(
                 [tuple(c) for c in cache_params.shape.conv], self.num_mamba_layers, spec_state_size,
-                mode_config.draft_tokens, act, self.device,
+                mode_config.draft_tokens, cache_params.dtype.conv, self.device,
                 dedup=_conv_window_dedup(is_kda, eagle_topk))
             self.mamba_cache = ConvScratchState(conv=self.mamba_cache.conv, temporal=self.mamba_cache.temporal,
                                                 intermediate_conv_window=views)

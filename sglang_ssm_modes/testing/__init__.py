@@ -1,0 +1,1 @@
+"""Test fixtures that real SGLang servers can load: small seeded hybrid GDN / KDA checkpoints."""

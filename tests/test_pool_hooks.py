@@ -1,0 +1,97 @@
+"""The pool and sizing hooks: the bytes the sizing charges are exactly what the pool allocates, and
+SGLang's own ``handle_max_mamba_cache`` (native) and the hook (compact / replay) split the same memory —
+the saved bytes become pool slots."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin
+
+from sglang_ssm_modes.config import SSMModeConfig
+from sglang_ssm_modes.integration import pool_hooks
+from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
+from test_mode_pool import cuda_scratch_on_cpu, gdn_params, kda_params  # noqa: F401  (fixture)
+
+GB = 1 << 30
+
+
+@pytest.mark.parametrize("params", [gdn_params, kda_params], ids=["gdn", "kda"])
+@pytest.mark.parametrize("mode,draft,topk", [("compact", 4, 1), ("replay", 4, 1), ("replay", 1, 1),
+                                             ("replay", 4, 3), ("compact", 3, 2)])
+def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkeypatch,
+                                               cuda_scratch_on_cpu):  # noqa: F811
+    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=8)
+    original = HybridReqToTokenPool._init_mamba_pool
+    monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
+                        lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
+    size, spec_size = 9, 5
+    pool = HybridReqToTokenPool(
+        size=spec_size, mamba_size=size, mamba_spec_state_size=spec_size, max_context_len=16, device="cpu",
+        enable_memory_saver=False, cache_params=params(), mamba_layer_ids=list(range(len(params().layers))),
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=draft if draft > 1 else None,
+        speculative_eagle_topk=topk, enable_overlap_schedule=False).mamba_pool
+    slot, running = pool_hooks.mode_bytes_per_request(cfg, params(), topk)
+    assert pool.mem_usage * GB == pytest.approx(slot * (size + 1) + running * (spec_size + 1), rel=1e-12)
+    assert (running > 0) == (draft > 1)
+
+
+def _runner(cache_params, *, draft: int | None, max_running: int = 64, radix: bool = True):
+    server_args = SimpleNamespace(
+        max_mamba_cache_size=None, disable_radix_cache=not radix, max_running_requests=max_running,
+        speculative_num_draft_tokens=draft, speculative_eagle_topk=1 if draft else None,
+        mamba_full_memory_ratio=0.9, enable_dp_attention=False, dp_size=1)
+    return SimpleNamespace(
+        mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params), server_args=server_args, dp_size=1,
+        spec_algorithm=SimpleNamespace(is_none=lambda: draft is None),
+        _calculate_mamba_ratio=lambda: 1 if not radix else 3)
+
+
+@pytest.mark.parametrize("draft", [None, 4])
+def test_saved_memory_becomes_pool_slots(draft, monkeypatch):
+    """Same memory, same arguments: SGLang's sizing for native, the hook for compact and replay. The
+    hook never spends more than the budget, and compact fits more slots than native when speculating."""
+    params = gdn_params()
+    budget_gb = 2000 * params.mamba_cache_per_req / GB
+    native = _runner(params, draft=draft)
+    rest_native = ModelRunnerKVCacheMixin.handle_max_mamba_cache(native, budget_gb)
+    slots = {"native": native.server_args.max_mamba_cache_size}
+    for mode in ("compact", "replay"):
+        cfg = SSMModeConfig(mode=mode, draft_tokens=draft or 1, replay_history=16)
+        monkeypatch.setattr(pool_hooks, "server_mode_config", lambda cfg=cfg: cfg)
+        runner = _runner(params, draft=draft)
+        rest = pool_hooks.handle_max_mamba_cache(lambda *a: pytest.fail("native path"), runner, budget_gb)
+        slots[mode] = runner.server_args.max_mamba_cache_size
+        slot, running = pool_hooks.mode_bytes_per_request(cfg, params, 1)
+        reqs = min(64, slots[mode] // 3) if draft else 0
+        assert rest == pytest.approx(budget_gb - (slot * slots[mode] + running * reqs) / GB)
+        assert rest >= budget_gb / 1.9 - 1e-9, "the mamba share of the budget is not exceeded"
+    assert rest_native > 0
+    if draft:
+        assert slots["compact"] > slots["native"]
+    else:
+        assert slots["compact"] == slots["native"] and slots["replay"] < slots["native"]
+
+
+def test_unapplied_hooks_refuse_to_start(monkeypatch):
+    cfg = SSMModeConfig(mode="compact", draft_tokens=4)
+    monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: cfg)
+    with pytest.raises(RuntimeError, match="did not apply these hooks"):
+        pool_hooks.init_mamba_pool(lambda *a, **k: None, object())
+
+
+def test_without_a_mode_the_hooks_are_sglangs(monkeypatch):
+    monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: None)
+    assert pool_hooks.handle_max_mamba_cache(lambda self, m: ("sglang", m), "runner", 1.5) == ("sglang", 1.5)
+    assert pool_hooks.init_mamba_pool(lambda self, **k: ("sglang", k), "pool", a=1) == ("sglang", {"a": 1})
+
+
+def test_server_mode_config_reads_sglangs_global_server_args(monkeypatch):
+    from sglang.srt import server_args as sa
+
+    monkeypatch.setattr(sa, "_global_server_args", None)
+    assert pool_hooks.server_mode_config() is None
+    cfg = SSMModeConfig(mode="replay", draft_tokens=4, replay_history=32, state_dtype=torch.bfloat16)
+    monkeypatch.setattr(sa, "_global_server_args", SimpleNamespace(ssm_mode_config=cfg.to_dict()))
+    assert pool_hooks.server_mode_config() == cfg
