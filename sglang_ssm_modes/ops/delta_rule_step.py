@@ -85,3 +85,17 @@ def store_raw_record(rec_k, rec_v, rec_g, rec_beta, pos, i_h, i_hv, first_v_bloc
         else:
             tl.store(rec_g + pos * HV + i_hv, b_g)
         tl.store(rec_beta + pos * HV + i_hv, b_beta)
+
+
+@triton.jit
+def gate_vector(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold, BK: tl.constexpr,
+                IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
+    """``(g, g as a [BK] vector, beta)`` of one token: KDA's per-channel gate, or GDN's scalar and
+    its broadcast (:func:`gate_and_beta`)."""
+    b_g, b_beta = gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold, IS_KDA,
+                                BETA_ACTIVATED)
+    if IS_KDA:
+        b_gv = b_g
+    else:
+        b_gv = tl.zeros([BK], dtype=tl.float32) + b_g
+    return b_g, b_gv, b_beta

@@ -1,4 +1,4 @@
-"""Replay-mode output-only decode / verify (inline path): the outputs of a window of T tokens from
+"""Replay-mode output-only decode / verify (the inline path, and the wrapper over both paths): the outputs of a window of T tokens from
 the checkpoint S0 and the request's history records, never materialising the state (DESIGN §2,
 "Replay algebra"), and the window's records appended after the cursor.
 
@@ -19,21 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import gate_and_beta, l2normalize, store_raw_record
+from ..delta_rule_step import gate_vector, l2normalize, store_raw_record
 from .ring import ReplayRing
-
-
-@triton.jit
-def _gate_vector(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold, BK: tl.constexpr,
-                 IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
-    """``(g as a [BK] vector, beta)``: KDA's per-channel gate, or GDN's scalar broadcast."""
-    b_g, b_beta = gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold, IS_KDA,
-                                BETA_ACTIVATED)
-    if IS_KDA:
-        b_gv = b_g
-    else:
-        b_gv = tl.zeros([BK], dtype=tl.float32) + b_g
-    return b_g, b_gv, b_beta
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -93,7 +80,7 @@ def replay_verify_kernel(
     b_Gt = b_Gc
     writes_k = (i_v == 0) & (i_hv % (HV // H) == 0)
     for t in range(0, T):
-        b_g, b_gv, b_beta = _gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
+        b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
                                          softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
         b_k_raw = tl.load(p_k0 + t * stride_k, mask=mask_k, other=0)
         b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
@@ -117,7 +104,7 @@ def replay_verify_kernel(
                     b_gj = tl.zeros([BK], dtype=tl.float32) + tl.load(r_g + pos * HV + i_hv)
                 b_kj = tl.load(r_kn + (pos * H + i_h) * K + o_k, mask=mask_k, other=0)
             else:
-                _, b_gj, _ = _gate_vector(p_A_log, p_a0 + (j - c) * stride_a, p_dt_bias, p_b0 + (j - c) * stride_b,
+                _, b_gj, _ = gate_vector(p_A_log, p_a0 + (j - c) * stride_a, p_dt_bias, p_b0 + (j - c) * stride_b,
                                           mask_k, softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
                 b_kj = l2normalize(tl.load(p_k0 + (j - c) * stride_k, mask=mask_k, other=0).to(tl.float32))
             b_Gj += b_gj
@@ -138,14 +125,26 @@ def replay_verify_kernel(
         tl.debug_barrier()  # this program reads its own u stores back for the next token
 
 
+PATHS = ("block", "inline")
+"""Kernels of :func:`replay_verify`: ``block`` (history as tiles, read once per program: the default)
+and ``inline`` (record by record, for every token)."""
+
+
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, path: str = "block",
+                  tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. The caller
-    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). Returns ``o`` ``[1, T_all, HV, V]``.
+    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``path`` picks the kernel
+    (:data:`PATHS`), ``tile = (BV, num_warps)`` its value block and warps (default: 32 and 1 for
+    ``inline``, 32 and 4 for ``block``). Returns ``o`` ``[1, T_all, HV, V]``.
     """
+    from .verify_block import replay_verify_block_kernel
+
+    if path not in PATHS:
+        raise ValueError(f"path {path!r} is not one of {PATHS}")
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
@@ -153,15 +152,20 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
     if t_all // n > ring.history:
         raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
+    BK = triton.next_power_of_2(kdim)
     if BK != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
+    BV, warps = tile or (min(triton.next_power_of_2(vdim), 32), 4 if path == "block" else 1)
     o = q.new_empty(1, t_all, hv, vdim)
-    replay_verify_kernel[(triton.cdiv(vdim, BV), n * hv)](
-        A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
-        ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
-        1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
-        a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
-        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-        num_warps=1, num_stages=3)
+    args = (A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
+            ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
+            1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
+            a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2])
+    common = dict(H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
+                  BETA_ACTIVATED=beta_activated, num_warps=warps)
+    grid = (triton.cdiv(vdim, BV), n * hv)
+    if path == "inline":
+        replay_verify_kernel[grid](*args, **common, num_stages=3)
+    else:
+        replay_verify_block_kernel[grid](*args, **common, TP=triton.next_power_of_2(t_all // n))
     return o
