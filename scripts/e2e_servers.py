@@ -56,7 +56,10 @@ SPEC = {
               "--speculative-ngram-max-bfs-breadth", "1"],
 }
 MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
-VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"]}
+VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
+            "fp32": ["--dtype", "float32"]}
+"""``fp32`` runs the whole model in float32: with bfloat16 activations a float32-rounding difference in one
+layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
 
 
@@ -67,7 +70,7 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), ("nograph",), ("noradix",), ("bf16",)):
+                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",)):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out
@@ -205,8 +208,8 @@ def parity(native: dict, other: dict, tie_gap: float) -> dict:
 
 
 def reference_key(cfg: dict) -> tuple:
-    """Which native server a configuration is judged against: same model, speculation and state dtype."""
-    return cfg["model"], cfg["spec"], "bf16" in cfg["variants"]
+    """Which native server a configuration is judged against: same model, speculation and dtypes."""
+    return cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"]
 
 
 def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[int]] | None) -> dict:

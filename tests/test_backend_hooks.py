@@ -9,6 +9,7 @@ import pytest
 import torch
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
 from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
@@ -17,58 +18,78 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
-from test_mode_pool import cuda_scratch_on_cpu, gdn_params  # noqa: F401  (fixture)
+from sglang_ssm_modes.reference.random_layer import random_gate_params
+from test_mode_pool import cuda_scratch_on_cpu, gdn_params, kda_params  # noqa: F401  (fixture)
 
-HK, HV, KD, VD, LAYERS = 2, 4, 16, 32, 2  # as test_mode_pool's gdn_params
+HK, HV, KD, VD, LAYERS = 2, 4, 16, 32, 2  # as test_mode_pool's gdn_params / kda_params (KDA: K = V = KD)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PARAMS = {"gdn": gdn_params, "kda": kda_params}
+TREE = ([1, 3, -1, -1], [-1, 2, -1, -1])  # D = 4: root -> {1, 2}, 1 -> 3 (first child, next sibling)
 
 
-def make_pool(mode: str, draft: int, monkeypatch, history: int = 8) -> HybridReqToTokenPool:
+def heads(family):
+    """``(HK, HV, K, V)`` per family."""
+    return (HK, HV, KD, VD) if family == "gdn" else (HV, HV, KD, KD)
+
+
+def make_pool(mode: str, draft: int, monkeypatch, family: str = "gdn", topk: int = 1,
+              history: int = 8) -> HybridReqToTokenPool:
     cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=history)
     original = HybridReqToTokenPool._init_mamba_pool
     monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                         lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
     return HybridReqToTokenPool(
         size=6, mamba_size=8, mamba_spec_state_size=6, max_context_len=16, device=DEV, enable_memory_saver=False,
-        cache_params=gdn_params(), mamba_layer_ids=list(range(LAYERS)), enable_mamba_extra_buffer=False,
-        speculative_num_draft_tokens=draft, speculative_eagle_topk=1, enable_overlap_schedule=False)
+        cache_params=PARAMS[family](), mamba_layer_ids=list(range(LAYERS)), enable_mamba_extra_buffer=False,
+        speculative_num_draft_tokens=draft, speculative_eagle_topk=topk, enable_overlap_schedule=False)
 
 
-def make_backend(pool) -> GDNAttnBackend:
-    runner = SimpleNamespace(device=DEV, server_args=SimpleNamespace(speculative_eagle_topk=1), is_draft_worker=False,
-                             req_to_token_pool=pool, token_to_kv_pool=None)
-    return GDNAttnBackend(runner)
+def make_backend(pool, family: str = "gdn", topk: int = 1):
+    runner = SimpleNamespace(device=DEV, server_args=SimpleNamespace(speculative_eagle_topk=topk),
+                             is_draft_worker=False, req_to_token_pool=pool, token_to_kv_pool=None)
+    return (GDNAttnBackend if family == "gdn" else KDAAttnBackend)(runner)
 
 
-def make_layer(layer_id: int, gen: torch.Generator) -> RadixLinearAttention:
-    conv_dim = 2 * HK * KD + HV * VD
+def make_layer(layer_id: int, gen: torch.Generator, family: str = "gdn") -> RadixLinearAttention:
+    hk, hv, kd, vd = heads(family)
+    conv_dim = 2 * hk * kd + hv * vd
     f32 = dict(dtype=torch.float32, generator=gen)
+    params = random_gate_params(family, hv, kd, gen)
     return RadixLinearAttention(
-        layer_id, HK, HK, HV, KD, KD, VD,
-        conv_weights=(torch.randn(conv_dim, 4, **f32) * 0.5).to(DEV),
-        bias=None, activation="silu",
-        A_log=torch.log(torch.rand(HV, **f32) * 15 + 1).to(DEV), dt_bias=torch.randn(HV, **f32).to(DEV))
+        layer_id, hk, hk, hv, kd, kd, vd, conv_weights=(torch.randn(conv_dim, 4, **f32) * 0.5).to(DEV),
+        bias=None, activation="silu", A_log=params.A_log.to(DEV), dt_bias=params.dt_bias.to(DEV))
 
 
-def verify_inputs(n: int, draft: int, gen: torch.Generator):
-    conv_dim = 2 * HK * KD + HV * VD
+def verify_inputs(n: int, draft: int, gen: torch.Generator, family: str = "gdn"):
+    """``(mixed_qkv, a, b)`` as the models hand them to the backend in a target verify: GDN raw gate
+    and beta logits ``[T, HV]``; Kimi-Linear ``[1, T, HV, K]`` raw gate and sigmoid(beta) ``[1, T, HV]``."""
+    hk, hv, kd, vd = heads(family)
     t = n * draft
-    mixed = torch.randn(t, conv_dim, generator=gen).to(torch.bfloat16).to(DEV)
-    a = torch.randn(t, HV, generator=gen).to(torch.bfloat16).to(DEV)
-    b = torch.randn(t, HV, generator=gen).to(torch.bfloat16).to(DEV)
+    mixed = torch.randn(t, 2 * hk * kd + hv * vd, generator=gen).to(torch.bfloat16).to(DEV)
+    if family == "gdn":
+        a = torch.randn(t, hv, generator=gen).to(torch.bfloat16).to(DEV)
+        b = torch.randn(t, hv, generator=gen).to(torch.bfloat16).to(DEV)
+    else:
+        a = torch.randn(1, t, hv, kd, generator=gen).to(torch.bfloat16).to(DEV)
+        b = torch.randn(1, t, hv, generator=gen).float().sigmoid().to(DEV)
     return mixed, a, b
 
 
-def verify(backend, layer, slots: torch.Tensor, draft: int, inputs):
+def verify(backend, layer, slots: torch.Tensor, draft: int, inputs, tree: bool = False):
     n = slots.shape[0]
+    extra = {}
+    if tree:
+        nxt, sib = (torch.tensor(x, dtype=torch.int32, device=DEV).repeat(n, 1) for x in TREE)
+        extra = dict(retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=torch.empty_like(nxt))
     backend.forward_metadata = ForwardMetadata(
         query_start_loc=torch.arange(0, n * draft + 1, draft, dtype=torch.int32, device=DEV),
-        mamba_cache_indices=slots, is_target_verify=True, draft_token_num=draft)
+        mamba_cache_indices=slots, is_target_verify=True, draft_token_num=draft, **extra)
     batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=SimpleNamespace(draft_token_num=draft),
-                            batch_size=n, mamba_track_mask=None)
+                            batch_size=n, mamba_track_mask=None, extend_prefix_lens=None, extend_seq_lens_cpu=None)
     mixed, a, b = inputs
-    return backend_hooks.forward_extend(GDNAttnBackend.forward_extend, backend, layer=layer, forward_batch=batch,
-                                        mixed_qkv=mixed.clone(), a=a, b=b)
+    original = type(backend).forward_extend
+    return backend_hooks.forward_extend(original, backend, layer=layer, forward_batch=batch, mixed_qkv=mixed.clone(),
+                                        a=a, b=b)
 
 
 def seed_pools(pools, gen):
@@ -76,31 +97,41 @@ def seed_pools(pools, gen):
     temporal = torch.randn(pools[0].mamba_pool.mamba_cache.temporal.shape, generator=gen).to(DEV) * 0.1
     conv = torch.randn(pools[0].mamba_pool.mamba_cache.conv[0].shape, generator=gen).to(torch.bfloat16).to(DEV)
     for p in pools:
-        p.mamba_pool.mamba_cache.temporal.copy_(temporal)
+        p.mamba_pool.mamba_cache.temporal.copy_(temporal.to(p.mamba_pool.mamba_cache.temporal.dtype))
         p.mamba_pool.mamba_cache.conv[0].copy_(conv)
 
 
-@pytest.mark.parametrize("draft", [2, 4])
-def test_verify_hooks_match_sglangs_native_forward(draft, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
-    """One verify round of a layer: compact's outputs are SGLang's native outputs bit for bit (same op
-    order) and its conv-window scratch is the same; replay's outputs agree to float32 rounding; no mode
-    writes the state pool during verify."""
-    gen = torch.Generator().manual_seed(draft)
-    pools = {m: make_pool(m, draft, monkeypatch) for m in ("native", "compact", "replay")}
+CASES = [("gdn", 2, False), ("gdn", 4, False), ("gdn", 4, True), ("kda", 3, False), ("kda", 4, True)]
+
+
+@pytest.mark.parametrize("family,draft,tree", CASES)
+def test_verify_hooks_match_native(family, draft, tree, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
+    """One verify round of a layer through the real backend class: compact's outputs are native's bit
+    for bit (GDN: SGLang's own forward; KDA: our native verify, SGLang 0.5.14 has none) and its conv
+    window scratch is the same; replay's outputs agree to float32 rounding (a tree goes through
+    compact's path, so bit for bit); no mode writes the state pool during verify."""
+    gen = torch.Generator().manual_seed(draft + 10 * tree)
+    topk = 2 if tree else 1
+    pools = {m: make_pool(m, draft, monkeypatch, family, topk) for m in ("native", "compact", "replay")}
     seed_pools(list(pools.values()), gen)
     before = pools["native"].mamba_pool.mamba_cache.temporal.clone()
-    layer = make_layer(1, gen)
+    layer = make_layer(1, gen, family)
     slots = torch.tensor([3, -1, 0, 5, 2], dtype=torch.int32, device=DEV)  # odd batch, one padding row
-    inputs = verify_inputs(slots.shape[0], draft, gen)
-    out = {m: verify(make_backend(p), layer, slots, draft, inputs) for m, p in pools.items()}
+    inputs = verify_inputs(slots.shape[0], draft, gen, family)
+    out = {m: verify(make_backend(p, family, topk), layer, slots, draft, inputs, tree) for m, p in pools.items()}
     real = (slots >= 0).repeat_interleave(draft)
     assert torch.equal(out["compact"][0, real], out["native"][0, real])
-    torch.testing.assert_close(out["replay"][0, real].float(), out["native"][0, real].float(), rtol=2e-2, atol=2e-2)
+    if tree:
+        assert torch.equal(out["replay"][0, real], out["native"][0, real])
+    else:
+        torch.testing.assert_close(out["replay"][0, real].float(), out["native"][0, real].float(), rtol=2e-2,
+                                   atol=2e-2)
     for m, p in pools.items():
         assert torch.equal(p.mamba_pool.mamba_cache.temporal, before), f"{m} verify wrote the state"
     rows = torch.arange(slots.shape[0])[slots.cpu() >= 0]
     native_win = pools["native"].mamba_pool.mamba_cache.intermediate_conv_window[0][1, rows]
-    assert torch.equal(pools["compact"].mamba_pool.mamba_cache.intermediate_conv_window[0][1, rows], native_win)
+    for m in ("compact", "replay"):
+        assert torch.equal(pools[m].mamba_pool.mamba_cache.intermediate_conv_window[0][1, rows], native_win)
 
 
 def commit(hybrid: HybridLinearAttnBackend, last_index: torch.Tensor):
@@ -110,39 +141,45 @@ def commit(hybrid: HybridLinearAttnBackend, last_index: torch.Tensor):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_rounds_of_verify_and_commit_agree_with_native(state_dtype, monkeypatch):
-    """Rounds of verify (every layer) + commit through the hooks, accepted lengths 0..D and padding
-    rows: compact's whole pool (state and conv window) is native's bit for bit; replay's canonical
-    state stays within float tolerance after folds."""
-    draft, rounds = 4, 12
+@pytest.mark.parametrize("family,tree", [("gdn", False), ("gdn", True), ("kda", False), ("kda", True)])
+def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype, monkeypatch):
+    """Rounds of verify (every layer) + commit through the hooks, last accepted node -1..D-1 (a chain's
+    accepted length 0..D, or any node of a tree) and a padding row: compact's whole pool (state and conv
+    window) is native's bit for bit after every round; replay's canonical state stays within float
+    tolerance after folds (a tree goes through compact's path: bit for bit)."""
+    draft, rounds, topk = 4, 12, 2 if tree else 1
     gen = torch.Generator().manual_seed(7)
-    pools = {m: make_pool(m, draft, monkeypatch) for m in ("native", "compact", "replay")}
+    pools = {m: make_pool(m, draft, monkeypatch, family, topk) for m in ("native", "compact", "replay")}
     for p in pools.values():
-        p.mamba_pool.mamba_cache.temporal.data = p.mamba_pool.mamba_cache.temporal.to(state_dtype)
+        cache = p.mamba_pool.mamba_cache
+        cache.temporal.data = cache.temporal.to(state_dtype)
+        if hasattr(cache, "intermediate_ssm"):
+            cache.intermediate_ssm.data = cache.intermediate_ssm.to(state_dtype)
     seed_pools(list(pools.values()), gen)
-    layers = [make_layer(i, gen) for i in range(LAYERS)]
-    backends = {m: make_backend(p) for m, p in pools.items()}
+    layers = [make_layer(i, gen, family) for i in range(LAYERS)]
+    backends = {m: make_backend(p, family, topk) for m, p in pools.items()}
     hybrids = {m: HybridLinearAttnBackend(SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=p,
                                                           needs_cpu_seq_lens=False), backends[m], [])
                for m, p in pools.items()}
-    slots = torch.tensor([3, 0, -1, 5, 2], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([3, 1, -1, 5, 2], dtype=torch.int32, device=DEV)
+    real = (slots >= 0).repeat_interleave(draft)  # SGLang's kernel leaves padding rows' outputs unwritten
+    native, compact, replay = (pools[m].mamba_pool for m in ("native", "compact", "replay"))
     for r in range(rounds):
-        inputs = [verify_inputs(slots.shape[0], draft, gen) for _ in layers]
-        outs = {m: [verify(backends[m], layer, slots, draft, x) for layer, x in zip(layers, inputs)] for m in pools}
-        accepted = torch.randint(0, draft + 1, (slots.shape[0],), generator=gen).to(DEV)
+        inputs = [verify_inputs(slots.shape[0], draft, gen, family) for _ in layers]
+        outs = {m: [verify(backends[m], layer, slots, draft, x, tree) for layer, x in zip(layers, inputs)]
+                for m in pools}
+        last = torch.randint(-1, draft, (slots.shape[0],), generator=gen).to(DEV)
         for m in pools:
-            commit(hybrids[m], (accepted - 1).to(torch.int64))
-        real = (slots >= 0).repeat_interleave(draft)  # SGLang's kernel leaves padding rows' outputs unwritten
+            commit(hybrids[m], last)
         for a, b in zip(outs["compact"], outs["native"]):
             assert torch.equal(a[0, real], b[0, real]), f"round {r}: compact outputs differ from native"
-        native, compact = pools["native"].mamba_pool, pools["compact"].mamba_pool
         assert torch.equal(compact.mamba_cache.temporal, native.mamba_cache.temporal), f"round {r}: state"
         assert torch.equal(compact.mamba_cache.conv[0], native.mamba_cache.conv[0]), f"round {r}: conv"
-    assert torch.equal(compact.mamba_cache.temporal, native.mamba_cache.temporal)
-    assert torch.equal(compact.mamba_cache.conv[0], native.mamba_cache.conv[0])
-    replay = pools["replay"].mamba_pool
-    assert int(replay.replay_rings.phase.sum()) > 0, "replay folded"
     replay.materialise_in_place(torch.arange(replay.size + 1, dtype=torch.int32, device=DEV))
-    torch.testing.assert_close(replay.mamba_cache.temporal.float(), native.mamba_cache.temporal.float(),
-                               rtol=1e-5 if state_dtype == torch.float32 else 2e-2, atol=1e-5)
+    if tree:
+        assert torch.equal(replay.mamba_cache.temporal, native.mamba_cache.temporal)
+    else:
+        assert int(replay.replay_rings.phase.sum()) > 0, "replay folded"
+        torch.testing.assert_close(replay.mamba_cache.temporal.float(), native.mamba_cache.temporal.float(),
+                                   rtol=1e-5 if state_dtype == torch.float32 else 2e-2, atol=1e-5)
     assert torch.equal(replay.mamba_cache.conv[0], native.mamba_cache.conv[0])

@@ -28,6 +28,8 @@ CASES = {  # name: (extra argv, env)
     "replay_pd": (["--ssm-state-mode", "replay", "--disaggregation-mode", "decode"], {}),
     "compact_not_hybrid": (["--ssm-state-mode", "compact", "@llama"], {}),
     "native_not_hybrid": (["@llama"], {}),
+    "engine_env": (["@engine"], {"SGLANG_SSM_STATE_MODE": "compact"}),
+    "flag_over_env": (["--ssm-state-mode", "replay"], {"SGLANG_SSM_STATE_MODE": "compact"}),
 }
 
 DRIVER = textwrap.dedent("""
@@ -45,7 +47,11 @@ DRIVER = textwrap.dedent("""
             with contextlib.redirect_stderr(err):
                 path = llama if "@llama" in argv else model
                 argv = [a for a in argv if a != "@llama"]
-                sa = prepare_server_args(["--model-path", path, "--device", "cpu", "--disable-radix-cache", *argv])
+                if argv == ["@engine"]:  # sglang.Engine(**kwargs) builds ServerArgs directly, no flags
+                    from sglang.srt.server_args import ServerArgs
+                    sa = ServerArgs(model_path=path, device="cpu", disable_radix_cache=True)
+                else:
+                    sa = prepare_server_args(["--model-path", path, "--device", "cpu", "--disable-radix-cache", *argv])
             c = sa.ssm_mode_config
             json.dumps(c)  # plain values: SGLang serialises its server args (/server_info)
             out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"]}
@@ -87,6 +93,8 @@ def test_flags_resolve_through_prepare_server_args(results):
     assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4}
     assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1}
     assert results["native_not_hybrid"]["mode"] == "native"
+    assert results["engine_env"] == {"mode": "compact", "history": 16, "draft_tokens": 1}
+    assert results["flag_over_env"]["mode"] == "replay"
 
 
 def test_bad_combinations_fail_at_startup_naming_the_flag(results):

@@ -21,7 +21,7 @@ from sglang_ssm_modes.reference.random_layer import random_inputs
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
 
 
-def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path="block"):
+def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path="inline"):
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
                          inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", path=path)

@@ -4,10 +4,11 @@ then applies the registered hooks.
 
 Hooks:
 
-* ``ServerArgs.add_cli_args`` / ``ServerArgs.from_cli_args``: the flags, resolved and validated once
-  SGLang's own argument handling is done — before any weights load; the result is attached to the
+* ``ServerArgs.add_cli_args`` / ``ServerArgs.__post_init__`` / ``ServerArgs.from_cli_args``: the flags
+  (and the environment, also for ``sglang.Engine``), resolved and validated once SGLang's own argument
+  handling is done — before any weights load; the result is attached to the
   ``ServerArgs`` as ``ssm_mode_config`` (a dict of plain values: it travels with them to every scheduler
-  process and shows in ``/server_info``);
+  process, and SGLang can serialise them);
 * ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
   mode's pool and its sizing (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
@@ -20,6 +21,7 @@ was applied and refuses to start otherwise, so a mode is never silently served b
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 
@@ -49,7 +51,8 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
     return result
 
 
-def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
+def _configure(server_args, args: argparse.Namespace) -> None:
+    """Resolve (flags over environment), validate and attach the mode to ``server_args``."""
     draft = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None
     cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=getattr(server_args, "mamba_ssm_dtype", None))
     if cfg.mode != "native":
@@ -59,6 +62,17 @@ def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
         cfg = dataclasses.replace(cfg, activation_dtype=activation_dtype)
     server_args.ssm_mode_config = cfg.to_dict()  # plain values: SGLang serialises its server args
     logger.info("sglang-ssm-modes: %s", cfg)
+
+
+def _after_post_init(result, server_args, *args, **kwargs):
+    """Every ``ServerArgs`` (also ``sglang.Engine(**kwargs)``, which never parses flags): the mode
+    from the environment. ``from_cli_args`` then resolves the flags over it."""
+    _configure(server_args, argparse.Namespace())
+    return result
+
+
+def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
+    _configure(server_args, args)
     return server_args
 
 
@@ -74,6 +88,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__", _after_post_init, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER)
     for target, hook in HOOKS.items():
         HookRegistry.register(target, hook, HookType.AROUND)

@@ -1,4 +1,5 @@
-"""Replay-mode output-only decode / verify (the inline path, and the wrapper over both paths): the outputs of a window of T tokens from
+"""Replay-mode output-only decode / verify: the inline path, and the wrapper over both paths. The outputs
+of a window of T tokens from
 the checkpoint S0 and the request's history records, never materialising the state (DESIGN §2,
 "Replay algebra"), and the window's records appended after the cursor.
 
@@ -125,15 +126,17 @@ def replay_verify_kernel(
         tl.debug_barrier()  # this program reads its own u stores back for the next token
 
 
-PATHS = ("block", "inline")
-"""Kernels of :func:`replay_verify`: ``block`` (history as tiles, read once per program: the default)
-and ``inline`` (record by record, for every token)."""
+PATHS = ("inline", "block")
+"""Kernels of :func:`replay_verify`: ``inline`` (record by record, for every token: the default) and
+``block`` (history as register tiles read once per program). Measured side by side on the H200
+(``bench/results/replay/block_vs_inline``): block is 0.5-0.9x inline except GDN at L = 64 (1.1-1.3x) —
+the [L, K] tiles and per-token exponentials cost more than the reloads they save."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
-                  scale: float | None = None, path: str = "block",
+                  scale: float | None = None, path: str = "inline",
                   tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. The caller
