@@ -12,6 +12,7 @@ from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVC
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import pool_hooks
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
+from sglang_ssm_modes.sizing import LinearAttnShape, request_bytes
 from test_mode_pool import cuda_scratch_on_cpu, gdn_params, kda_params  # noqa: F401  (fixture)
 
 GB = 1 << 30
@@ -35,6 +36,13 @@ def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkey
     slot, running = pool_hooks.mode_bytes_per_request(cfg, params(), topk)
     assert pool.mem_usage * GB == pytest.approx(slot * (size + 1) + running * (spec_size + 1), rel=1e-12)
     assert (running > 0) == (draft > 1)
+    # the sizing model (`python -m sglang_ssm_modes memory`) charges the same bytes
+    family = pool.heads.family
+    shape = LinearAttnShape(family=family, num_linear_layers=len(params().layers), num_v_heads=pool.heads.num_v_heads,
+                            num_k_heads=pool.heads.num_k_heads, head_k_dim=pool.heads.head_k_dim,
+                            head_v_dim=pool.heads.head_v_dim, conv_kernel=4, hidden_size=64, source="test")
+    model = request_bytes(shape, cfg, eagle_topk=topk)
+    assert (model.slot_bytes, model.running_bytes) == (slot, running)
 
 
 def _runner(cache_params, *, draft: int | None, max_running: int = 64, radix: bool = True):

@@ -96,7 +96,7 @@ def test_per_value_head_matches_one_head_layer():
                                source="test")
     for mode, length in (("compact", 16), ("replay", 16), ("replay", 64)):
         got = layer_bytes(one_head, kda_cfg(mode, length=length))
-        assert got.state + got.scratch == kda_head(kda_cfg(mode, length=length))
+        assert got.state + got.scratch + got.history == kda_head(kda_cfg(mode, length=length))
 
 
 # ----------------------------------------------------------------- GQA and TP
@@ -111,14 +111,18 @@ def test_gqa_keys_counted_per_key_head():
     # record: raw k HK*K*2 = 64, raw v HV*V*2 = 512, decay HV*4 = 32, beta HV*4 = 32 -> 640
     assert compact.scratch == 3 * 640
     assert compact.state == 8 * 32 * 16 * 4
-    # conv ring: (2*HK*K + HV*V) = 320 channels, K-1 + D = 6 columns, bf16
-    assert compact.conv == 320 * 6 * 2
+    # conv window: (2*HK*K + HV*V) = 320 channels, K-1 = 3 columns, bf16; scratch D + K - 2 = 5 columns
+    assert compact.conv == 320 * 3 * 2 and compact.conv_scratch == 320 * 5 * 2
     replay = layer_bytes(GQA, SSMModeConfig(mode="replay", replay_history=8, draft_tokens=3,
                                             state_dtype=fp32))
-    # replay record: 640 + u HV*V*4 = 1024 + normalised k HK*K*4 = 128 -> 1792; 16 records + 8
-    assert replay.scratch == 16 * 1792 + 8
+    # replay record: 640 + u HV*V*4 = 1024 + normalised k HK*K*4 = 128 -> 1792; 16 records + 8, per slot
+    assert replay.history == 16 * 1792 + 8 and replay.scratch == 0
+    assert replay.slot_bytes == replay.state + replay.conv + replay.history
     # counting k per value head instead would give 16 * (1792 + 6*16*6) + 8
-    assert replay.scratch != 16 * (1792 + 6 * 16 * 6) + 8
+    assert replay.history != 16 * (1792 + 6 * 16 * 6) + 8
+    tree = layer_bytes(GQA, SSMModeConfig(mode="replay", replay_history=8, draft_tokens=3, state_dtype=fp32),
+                       eagle_topk=2)
+    assert tree.scratch == 3 * 640 and tree.conv_scratch == 3 * 320 * 3 * 2  # compact's records, dense window
 
 
 def test_tp_division_qwen3_next():
@@ -173,12 +177,14 @@ def test_native_speculative_scratch():
     assert tree.conv_scratch == 36 * 4 * 8192 * 3 * 2
 
 
-def test_compact_and_replay_conv_keep_rollback_columns():
+def test_compact_and_replay_keep_sglangs_conv_window_and_its_scratch():
     shape = BUILTIN_SHAPES["qwen3-next-80b"]
+    native = request_bytes(shape, SSMModeConfig(mode="native", draft_tokens=4))
     for mode in ("compact", "replay"):
         cost = request_bytes(shape, SSMModeConfig(mode=mode, draft_tokens=4))
-        assert cost.conv == 36 * 8192 * (3 + 4) * 2
-        assert cost.conv_scratch == 0
+        assert (cost.conv, cost.conv_scratch) == (native.conv, native.conv_scratch)
+    kda = request_bytes(BUILTIN_SHAPES["kimi-linear-48b"], SSMModeConfig(mode="compact", draft_tokens=4))
+    assert kda.conv_scratch == 20 * 4 * (3 * 32 * 128) * 3 * 2  # dense for KDA
 
 
 def test_builtin_shapes_are_the_released_models():
@@ -251,11 +257,11 @@ def test_capacity_monotone_in_budget_and_compact_beats_native():
         assert n >= last and c > n
         last = n
     # hand figures at 20 GiB: native per layer 5 states of 512 KiB + conv 12288 + conv scratch
-    # 24576; compact per layer 1 state + 4 records of 3136 + conv ring 2048 x 7 x 2 = 28672; 36 layers
+    # 24576; compact per layer 1 state + 4 records of 3136 + the same conv window and scratch; 36 layers
     assert native.total == 36 * (5 * 524288 + 12288 + 24576)
-    assert compact.total == 36 * (524288 + 4 * 3136 + 28672)
+    assert compact.total == 36 * (524288 + 4 * 3136 + 12288 + 24576)
     assert fit_pool(20 * GIB, native).max_running_requests == 20 * GIB // native.total == 224
-    assert fit_pool(20 * GIB, compact).max_running_requests == 20 * GIB // compact.total == 1054
+    assert fit_pool(20 * GIB, compact).max_running_requests == 20 * GIB // compact.total == 1039
 
 
 def test_capacity_mirrors_sglang_ratio_formula():
@@ -302,7 +308,7 @@ def test_cli_table_contains_every_mode(capsys):
     rows = {line.split()[0] + ":" + line.split()[1]: line.split()
             for line in out.splitlines() if line.split()[:1] in (["native"], ["compact"], ["replay"])}
     assert set(rows) == {"native:-", "compact:-", "replay:16", "replay:32", "replay:64"}
-    assert rows["native:-"][6] == "224" and rows["compact:-"][6] == "1054"
+    assert rows["native:-"][6] == "224" and rows["compact:-"][6] == "1039"
     assert "shape from: Qwen3-Next-80B-A3B" in out
 
 
@@ -312,10 +318,13 @@ def test_cli_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert [r["mode"] for r in report["rows"]] == ["native", "compact", "replay"]
     compact = report["rows"][1]
-    # 20 layers, 16 heads per rank: state 16*128*128*4; 4 records of 16*1028; conv 6144 x 7 x 2
+    # 20 layers, 16 heads per rank: state 16*128*128*4; 4 records of 16*1028; conv 6144 x 3 x 2 and
+    # KDA's dense scratch 4 x 6144 x 3 x 2
     assert compact["state_bytes"] == 20 * 16 * 128 * 128 * 4
-    assert compact["scratch_bytes"] == 20 * 4 * 16 * 1028
-    assert compact["conv_bytes"] == 20 * 6144 * 7 * 2
+    assert compact["scratch_bytes"] == 20 * 4 * 16 * 1028 and compact["history_bytes"] == 0
+    assert compact["conv_bytes"] == 20 * (6144 * 3 * 2 + 4 * 6144 * 3 * 2)
+    replay = report["rows"][2]
+    assert replay["history_bytes"] == 20 * (32 * 16 * (1028 + 512 + 512) + 8)
     assert compact["max_running_requests"] == 20 * GIB // compact["total_bytes"]
 
 

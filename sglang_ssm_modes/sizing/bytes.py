@@ -1,22 +1,26 @@
 """Bytes each storage mode keeps: per value head (DESIGN §3), per layer and per request.
 
-What each mode persists (DESIGN §2, §3), per request and linear layer:
+What each mode holds per request and linear layer, as the served pool allocates it
+(:mod:`sglang_ssm_modes.pool`; the sizing hook charges exactly these bytes):
 
 * ``native`` (SGLang 0.5.14 as is): the state S ``[HV, V, K]`` and the conv window
-  ``[conv_dim, conv_kernel - 1]``; with speculative decoding (D > 1) ``MambaPool.SpeculativeState``
-  adds ``intermediate_ssm`` (D states) and ``intermediate_conv_window`` — deduplicated to
+  ``[conv_dim, conv_kernel - 1]`` per pool slot; with speculative decoding (D > 1) each running
+  request adds ``intermediate_ssm`` (D states) and ``intermediate_conv_window`` — deduplicated to
   ``[conv_dim, D + conv_kernel - 2]`` for a linear draft chain (topk <= 1) on CUDA, dense
-  ``[D, conv_dim, conv_kernel - 1]`` for EAGLE tree verify (``conv_window_dedup_enabled``).
-* ``compact``: S, D records and a conv ring of ``conv_kernel - 1 + D`` columns
-  (``reference.conv.ring_width``: the committed window plus room for a whole verify window, so
-  verify never overwrites a committed column and commit is an offset move). A record is raw k (per *key* head) and raw v in the
-  activation dtype, the decay (fp32; 1 value per value head for GDN, K for KDA) and β (fp32).
-* ``replay``: the S checkpoint, a ring of 2·L records, 8 B of cursors and the same conv window as
-  compact. A record is u (V, fp32), the normalised k (K, fp32, per key head), the decay, raw k,
-  raw v and β.
+  ``[D, conv_dim, conv_kernel - 1]`` for EAGLE tree verify (``conv_window_dedup_enabled``; always
+  dense for KDA, whose transposed conv state the deduplicated view would alias).
+* ``compact``: S and the conv window per slot; a running request adds D records and, like native,
+  the conv-window scratch. A record is raw k (per *key* head) and raw v in the activation dtype, the
+  decay (fp32; 1 value per value head for GDN, K for KDA) and β (fp32).
+* ``replay``: the S checkpoint, the conv window, and a ring of 2·L records plus 8 B of cursors per
+  pool slot (the history belongs to the slot: a radix-cache checkpoint slot keeps its own); a
+  running request adds the conv-window scratch when speculating, and compact's D records when the
+  verify is a tree (replay routes trees through compact). A record is u (V, fp32), the normalised k
+  (K, fp32, per key head), the decay, raw k, raw v and β.
 
 Raw k and normalised k are stored once per key head and shared by its GQA group, so a GDN layer
-with HK < HV holds HK of them, not HV.
+with HK < HV holds HK of them, not HV. (The conv ring of ``ops.conv_window`` — K - 1 + D columns per
+slot, commit by offset move — is built and tested but not what the served pool keeps.)
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SSMModeConfig
-from ..reference.conv import ring_width
 from .shapes import LinearAttnShape, local_shape
 
 CURSOR_BYTES = 8
@@ -39,26 +42,27 @@ FP32 = 4
 class ModeBytes:
     """Bytes one request holds on one TP rank (per linear layer, or summed over the model).
 
-    ``state``: S (the committed state, or replay's checkpoint). ``scratch``: native's
-    ``intermediate_ssm`` (D states when D > 1), compact's D records, replay's 2·L records plus
-    cursors. ``conv``: the conv window kept in the request's pool slot. ``conv_scratch``: native's
-    speculative ``intermediate_conv_window`` (0 otherwise).
+    Per pool slot: ``state`` (S, or replay's checkpoint), ``conv`` (the conv window) and ``history``
+    (replay's 2·L records plus cursors). Per running request only: ``scratch`` (native's
+    ``intermediate_ssm``, D states; compact's D records) and ``conv_scratch`` (the speculative
+    ``intermediate_conv_window``).
     """
 
     state: int
     scratch: int
     conv: int
     conv_scratch: int = 0
+    history: int = 0
 
     @property
     def total(self) -> int:
         """Everything the request holds."""
-        return self.state + self.scratch + self.conv + self.conv_scratch
+        return self.state + self.scratch + self.conv + self.conv_scratch + self.history
 
     @property
     def slot_bytes(self) -> int:
-        """What every pool slot holds, running request or radix-cache checkpoint: S + conv window."""
-        return self.state + self.conv
+        """What every pool slot holds, running request or radix-cache checkpoint."""
+        return self.state + self.conv + self.history
 
     @property
     def running_bytes(self) -> int:
@@ -67,7 +71,7 @@ class ModeBytes:
 
     def times(self, n: int) -> "ModeBytes":
         """These bytes ``n`` times over (e.g. over the model's linear layers)."""
-        return ModeBytes(self.state * n, self.scratch * n, self.conv * n, self.conv_scratch * n)
+        return ModeBytes(self.state * n, self.scratch * n, self.conv * n, self.conv_scratch * n, self.history * n)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -124,31 +128,38 @@ def lightllm_native_value_head_bytes(cfg: SSMModeConfig, *, head_k_dim: int, hea
 
 def layer_bytes(shape: LinearAttnShape, cfg: SSMModeConfig, *, tp: int = 1,
                 conv_dtype: torch.dtype = torch.bfloat16, eagle_topk: int = 1) -> ModeBytes:
-    """Bytes one request holds for one linear layer on one of ``tp`` ranks (exact, GQA included).
+    """Bytes one request holds for one linear layer on one of ``tp`` ranks (exact, GQA included), as
+    the served pool allocates them (module docstring).
 
     ``conv_dtype`` is SGLang's conv-state dtype (``SGLANG_MAMBA_CONV_DTYPE``, bfloat16 by default).
-    ``eagle_topk`` selects native's intermediate conv-window layout (deduplicated for topk <= 1).
+    ``eagle_topk`` selects the conv-window scratch layout (deduplicated for topk <= 1, GDN only) and,
+    for replay, whether trees add compact's records.
     """
     loc = local_shape(shape, tp)
     k, v, kc = shape.head_k_dim, shape.head_v_dim, shape.conv_kernel
     d = cfg.draft_tokens
     conv_item = _itemsize(conv_dtype)
     state = loc.num_v_heads * v * k * _itemsize(cfg.state_dtype)
+    conv = loc.conv_dim * (kc - 1) * conv_item
+    if not cfg.speculative:
+        conv_scratch = 0
+    elif (eagle_topk is None or eagle_topk <= 1) and shape.family == "gdn":
+        conv_scratch = loc.conv_dim * (d + kc - 2) * conv_item
+    else:
+        conv_scratch = d * loc.conv_dim * (kc - 1) * conv_item
     if cfg.mode == "native":
-        conv = loc.conv_dim * (kc - 1) * conv_item
-        if not cfg.speculative:
-            return ModeBytes(state=state, scratch=0, conv=conv)
-        if eagle_topk is None or eagle_topk <= 1:
-            conv_scratch = loc.conv_dim * (d + kc - 2) * conv_item
-        else:
-            conv_scratch = d * loc.conv_dim * (kc - 1) * conv_item
-        return ModeBytes(state=state, scratch=d * state, conv=conv, conv_scratch=conv_scratch)
-    rec = record_bytes(cfg.mode, head_k_dim=k, head_v_dim=v, gate_width=shape.gate_width,
-                       activation_dtype=cfg.activation_dtype,
-                       num_v_heads=loc.num_v_heads, num_k_heads=loc.num_k_heads)
-    scratch = cfg.ring_records * rec + (CURSOR_BYTES if cfg.mode == "replay" else 0)
-    conv = loc.conv_dim * ring_width(kc, d) * conv_item
-    return ModeBytes(state=state, scratch=scratch, conv=conv)
+        return ModeBytes(state=state, scratch=d * state if cfg.speculative else 0, conv=conv,
+                         conv_scratch=conv_scratch)
+
+    def records(mode: str) -> int:
+        return record_bytes(mode, head_k_dim=k, head_v_dim=v, gate_width=shape.gate_width,
+                            activation_dtype=cfg.activation_dtype, num_v_heads=loc.num_v_heads,
+                            num_k_heads=loc.num_k_heads)
+
+    tree = eagle_topk is not None and eagle_topk > 1
+    compact_records = d * records("compact") if cfg.speculative and (cfg.mode == "compact" or tree) else 0
+    history = 2 * cfg.replay_history * records("replay") + CURSOR_BYTES if cfg.mode == "replay" else 0
+    return ModeBytes(state=state, scratch=compact_records, conv=conv, conv_scratch=conv_scratch, history=history)
 
 
 def request_bytes(shape: LinearAttnShape, cfg: SSMModeConfig, *, tp: int = 1,
