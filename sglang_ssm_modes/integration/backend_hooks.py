@@ -135,8 +135,10 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     a, b = _gates(a, b, tokens, kda)
     ssm = cache.temporal
     _fold_where_needed(ssm, ring, indices, 1, kda)
+    # the decode SGLang would run: its GDN packed kernel rounds beta to b's dtype (the others do not)
+    packed = getattr(backend.kernel_dispatcher, "supports_packed_decode", False)
     o = replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
-                      scale=layer.head_k_dim ** -0.5)
+                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)
     advance(ring, indices, (indices >= 0).to(torch.int32))
     if forward_batch.mamba_track_mask is not None:
         _track_decode(cache.conv[0], ssm, ring, indices, forward_batch, kda)

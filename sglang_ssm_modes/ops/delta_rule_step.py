@@ -56,7 +56,10 @@ def tree_ancestors(p_parents, stride_tok, node, max_depth, NP2_D: tl.constexpr):
     """Walk a draft tree up from ``node`` to the root (node 0) through one request's
     ``retrieve_parent_token`` row (``p_parents``, element stride ``stride_tok``). Returns
     ``(anc, depth)``: ``anc[j]`` the j-th ancestor (``anc[0] = node``, ``anc[depth] = 0``), ``[NP2_D]``
-    int32, looking at most ``max_depth`` links up."""
+    int32, looking at most ``max_depth`` links up. A parent always precedes its child in SGLang's
+    draft order, so each link is clamped into ``[0, cur - 1]``: a row whose parents were never
+    written (a padding row: SGLang's conv kernel skips it, leaving ``torch.empty`` contents) still
+    walks in bounds to the root, and a real tree is unchanged."""
     o_d = tl.arange(0, NP2_D)
     anc = tl.zeros([NP2_D], dtype=tl.int32)
     cur = tl.cast(node, tl.int32)
@@ -64,7 +67,8 @@ def tree_ancestors(p_parents, stride_tok, node, max_depth, NP2_D: tl.constexpr):
     for j in range(0, max_depth):
         anc = tl.where(o_d == j, cur, anc)
         if cur != 0:
-            cur = tl.load(p_parents + cur * stride_tok).to(tl.int32)
+            parent = tl.load(p_parents + cur * stride_tok).to(tl.int32)
+            cur = tl.minimum(tl.maximum(parent, 0), cur - 1)
             depth += 1
     return anc, depth
 

@@ -33,6 +33,7 @@ def replay_verify_kernel(
     stride_a, stride_q, stride_k, stride_v, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
+    ROUND_BETA: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``; T tokens per request (``q, k`` ``[1, N*T, H, K]``, ``v``
     ``[1, N*T, HV, V]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``, ``o`` like v).
@@ -83,6 +84,8 @@ def replay_verify_kernel(
     for t in range(0, T):
         b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
                                          softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
+        if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
+            b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
         b_k_raw = tl.load(p_k0 + t * stride_k, mask=mask_k, other=0)
         b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
         b_k = l2normalize(b_k_raw.to(tl.float32))
@@ -136,13 +139,15 @@ the [L, K] tiles and per-token exponentials cost more than the reloads they save
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
-                  scale: float | None = None, path: str = "inline",
-                  tile: tuple[int, int] | None = None) -> torch.Tensor:
+                  scale: float | None = None, path: str = "inline", tile: tuple[int, int] | None = None,
+                  round_beta: bool = False) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. The caller
     folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``path`` picks the kernel
     (:data:`PATHS`), ``tile = (BV, num_warps)`` its value block and warps (default: 32 and 1 for
-    ``inline``, 32 and 4 for ``block``). Returns ``o`` ``[1, T_all, HV, V]``.
+    ``inline``, 32 and 4 for ``block``). ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's
+    GDN packed decode kernel does (so a replay decode, once folded, is what that kernel leaves).
+    Returns ``o`` ``[1, T_all, HV, V]``.
     """
     from .verify_block import replay_verify_block_kernel
 
@@ -165,7 +170,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
             1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
             a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2])
     common = dict(H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
-                  BETA_ACTIVATED=beta_activated, num_warps=warps)
+                  BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta, num_warps=warps)
     grid = (triton.cdiv(vdim, BV), n * hv)
     if path == "inline":
         replay_verify_kernel[grid](*args, **common, num_stages=3)

@@ -33,6 +33,7 @@ def replay_verify_block_kernel(
     stride_a, stride_q, stride_k, stride_v, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L: tl.constexpr, TP: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
+    ROUND_BETA: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``; arguments as ``replay_verify_kernel`` (T tokens per request,
     ``T <= TP``, a power of two; L a power of two). Checkpoints ``[slots, HV, V, K]`` are read once;
@@ -94,6 +95,8 @@ def replay_verify_block_kernel(
     for t in range(0, T):
         b_g, _, b_beta = gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
                                       softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
+        if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
+            b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
         b_k_raw = tl.load(k + (bos + t) * stride_k + i_h * K + o_k, mask=mask_k, other=0)
         b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
         b_k = l2normalize(b_k_raw.to(tl.float32))
