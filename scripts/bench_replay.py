@@ -31,8 +31,6 @@ import torch
 from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, plot_speedups,
                           time_graph)
 
-REPLAY_PATHS = ("block", "inline")  # sglang_ssm_modes.ops.replay.verify.PATHS, timed side by side
-
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
     """One token's replay record per request and layer: u, normalised k, g, beta, raw k, raw v."""
@@ -67,15 +65,15 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     rec = record_bytes(family)
     fold_share = 1.0 / max(1, history - d + 1)  # requests folding per step (spread cursors)
 
-    def replay_step(path):
-        def step(r):
-            need = fold_needed(ring, groups[r], d)
-            replay_fold(pool, groups[r], ring, groups[r], need, is_kda=is_kda)
-            after_fold(ring, groups[r], need)
-            replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                          groups[r], is_kda=is_kda, path=path)
-            advance(ring, groups[r], accepted)
-        return step
+    round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
+
+    def replay_step(r):
+        need = fold_needed(ring, groups[r], d)
+        replay_fold(pool, groups[r], ring, groups[r], need, is_kda=is_kda)
+        after_fold(ring, groups[r], need)
+        replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
+                      groups[r], is_kda=is_kda, round_beta=round_beta)
+        advance(ring, groups[r], accepted)
 
     mean_hist = (history - d + 1) / 2
     replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
@@ -115,14 +113,13 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
                   batch * (1 + d + 2) * state_bytes, "verify(intermediate states)+fused_mamba_state_scatter_with_mask")
     op, impl, fn, nbytes, path = native
     native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
-    replay_per_req = state_bytes + 2 * history * rec + 8
     for impl_, fn_, nbytes_, path_, per_req in (
             (impl, fn, nbytes, path, native_per_req),
-            *((f"ours-replay-{p}", replay_step(p), replay_bytes,
-               f"fold_needed+replay_fold(masked)+replay_verify({p})+advance", replay_per_req) for p in REPLAY_PATHS)):
+            ("ours-replay", replay_step, replay_bytes, f"fold_needed+replay_fold(masked)+replay_verify(round_beta={round_beta})+advance",
+             state_bytes + 2 * history * rec + 8)):
         us = time_graph(fn_, rounds)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
-                         history=history if impl_.startswith("ours-replay") else None, median_us=round(us, 2),
+                         history=history if impl_ == "ours-replay" else None, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path=path_))
     del pool, ring
@@ -136,27 +133,25 @@ def write_report(result, out_dir):
         json.dump(result, f, indent=1)
     rows = result["rows"]
     key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
-    nat = {key(r): r for r in rows if not r["impl"].startswith("ours-replay")}
-    ours = {(key(r), r["history"], r["impl"]): r for r in rows if r["impl"].startswith("ours-replay")}
-    paths = [p for p in REPLAY_PATHS if any(r["impl"] == f"ours-replay-{p}" for r in rows)]
+    nat = {key(r): r for r in rows if r["impl"] != "ours-replay"}
     lines = [f"# Replay vs native — {result['gpu']}, {result['date']}, commit {result['commit']}", "",
-             f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / replay µs (same run), per "
-             "replay verify path. D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
-             "| family | state | D | L | batch | native µs | " + " | ".join(f"{p} µs | {p} speedup" for p in paths)
-             + " | native frac bw | " + " | ".join(f"{p} frac bw" for p in paths) + " |",
-             "|" + "---|" * (7 + 3 * len(paths))]
-    for (k, history) in sorted({(k, h) for (k, h, _) in ours}):
-        n = nat[k]
-        rs = [ours[(k, history, f"ours-replay-{p}")] for p in paths]
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {history} | {k[3]} | {n['median_us']:.1f} | "
-                     + " | ".join(f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}×" for r in rs)
-                     + f" | {n['frac_copy_bw']:.2f} | " + " | ".join(f"{r['frac_copy_bw']:.2f}" for r in rs) + " |")
+             f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / replay µs (same run). "
+             "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
+             "| family | state | D | L | batch | native µs | replay µs | speedup | native frac bw | replay frac bw |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"])):
+        n = nat[key(r)]
+        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
+                     f"{n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
+                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} |")
     with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}
-    for (k, history, impl), r in ours.items():
-        label = f"{impl.removeprefix('ours-replay-')} {k[1]} D={k[2]} L={history}"
-        points.setdefault(k[0], {}).setdefault(label, []).append((k[3], nat[k]["median_us"] / r["median_us"]))
+    for r in rows:
+        if r["impl"] == "ours-replay":
+            label = f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
+            points.setdefault(r["family"], {}).setdefault(label, []).append(
+                (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
     plot_speedups(points, "native / replay", os.path.join(out_dir, "replay_h200.png"))
 
 
@@ -188,7 +183,7 @@ def main(argv=None) -> int:
     for case in tqdm(cases, desc="replay bench", mininterval=5):
         new = bench_case(*case, bw)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
-        result["rows"] += [r for r in new if r["impl"].startswith("ours-replay") or not any(
+        result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
             (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"]) for o in result["rows"])]
         with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:

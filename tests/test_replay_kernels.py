@@ -13,27 +13,25 @@ from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import PATHS, replay_verify_kernel
-from sglang_ssm_modes.ops.replay.verify_block import replay_verify_block_kernel
+from sglang_ssm_modes.ops.replay.verify import replay_verify_kernel
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
 
 
-def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path="inline"):
+def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx):
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
-                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", path=path)
+                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda")
 
 
 def _ring_snapshot(ring):
     return {name: t.clone() for name, t in ring.buffers().items()}
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_replay_rounds_match_float64_native_over_several_folds(shape, path):
+def test_replay_rounds_match_float64_native_over_several_folds(shape):
     family, hk, hv, kdim, vdim = shape
     n, d, L, rounds = 5, 3, 8, 7
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=41)
@@ -52,7 +50,7 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape, path):
         after_fold(ring, rec_idx, need)
         assert int(ring.count.max()) + d <= L
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path)
+        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)  # bf16 outputs
@@ -82,9 +80,8 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape, path):
     assert (ring.count[0] == 0).item() and (ring.u[0] == 0).all(), "record slot 0 is nobody's"
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
-def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, path):
+def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv):
     """Replay decode (one record per token, folding every L tokens) leaves, once folded, the state
     SGLang's decode kernel leaves after the same tokens: bit for bit with a float32 state."""
     n, L, tokens, kdim, vdim = 3, 4, 9, 16, 32
@@ -108,7 +105,7 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
         need = fold_needed(ring, rec_idx, 1)
         replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
         after_fold(ring, rec_idx, need)
-        _call_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx, path)
+        _call_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
         advance(ring, rec_idx, ones)
     all_ = torch.ones(n, dtype=torch.bool, device=DEVICE)
     replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, all_, is_kda=family == "kda")
@@ -117,9 +114,8 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
     assert (ring.count == 0).all() and torch.equal(ring.phase, torch.full_like(ring.phase, (tokens // L + 1) % 2))
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
-def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv, path):
+def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
     """Raw k, v are the inputs bit for bit; g and beta equal the compact records (same code as the
     native kernel); a padding row writes nothing; positions follow phase * L + count."""
     n, d, L, kdim, vdim = 3, 3, 4, 16, 32
@@ -130,7 +126,7 @@ def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv, path):
     ring.count[2] = 1  # one older record at position L; the window goes to L + 1 ..
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     pool = pool.to(DEVICE)
-    _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path)
+    _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     rec = CompactRecordBuffers.allocate(n, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
     compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -145,12 +141,12 @@ def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv, path):
 
 
 def test_request_count_is_not_a_compile_time_constant():
-    for jit in (replay_verify_kernel, replay_verify_block_kernel, replay_fold_kernel):
+    for jit in (replay_verify_kernel, replay_fold_kernel):
         params = inspect.signature(jit.fn).parameters
         assert not any(name in params for name in ("N", "B", "batch", "num_requests"))
-    for jit in (replay_verify_kernel, replay_verify_block_kernel):
-        marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize", [])
-        assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
+    marked = getattr(replay_verify_kernel, "do_not_specialize", None) or replay_verify_kernel.kwargs.get(
+        "do_not_specialize", [])
+    assert {replay_verify_kernel.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
 
 
 def test_window_larger_than_history_is_refused():
@@ -166,8 +162,7 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 @pytest.mark.parametrize("L,d", [(16, 1), (16, 4), (64, 4)])
-@pytest.mark.parametrize("path", PATHS)
-def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, path):
+def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
     """Qwen3-Next / Kimi-Linear head shapes: 2·L/d rounds (several folds) of verify + accept; outputs
     within bf16 output rounding of the float64 truth, materialised state within 1e-5 (float32) or
     bf16 rounding (bfloat16) of it."""
@@ -184,7 +179,7 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, p
         replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
         after_fold(ring, rec_idx, need)
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, path)
+        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)

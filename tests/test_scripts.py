@@ -85,15 +85,13 @@ def test_bench_replay_refuses_to_run_without_a_gpu():
 def test_bench_replay_report_from_rows(tmp_path):
     base = dict(family="kda", state_dtype="float32", batch=128, draft_tokens=1, bytes_min=1, bytes_per_request=1,
                 path="p")
-    rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, median_us=140.0, frac_copy_bw=0.9)]
-    for path, us16, us32 in (("block", 100.0, 112.0), ("inline", 200.0, 280.0)):
-        rows += [dict(base, op="decode", impl=f"ours-replay-{path}", history=16, median_us=us16, frac_copy_bw=0.7),
-                 dict(base, op="decode", impl=f"ours-replay-{path}", history=32, median_us=us32, frac_copy_bw=0.5)]
+    rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, median_us=140.0, frac_copy_bw=0.9),
+            dict(base, op="decode", impl="ours-replay", history=16, median_us=100.0, frac_copy_bw=0.7),
+            dict(base, op="decode", impl="ours-replay", history=32, median_us=112.0, frac_copy_bw=0.7)]
     bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
-    assert "| block µs | block speedup | inline µs | inline speedup |" in table
-    assert "| kda | float32 | 1 | 16 | 128 | 140.0 | 100.0 | 1.40× | 200.0 | 0.70× | 0.90 | 0.70 | 0.70 |" in table
-    assert "| kda | float32 | 1 | 32 | 128 | 140.0 | 112.0 | 1.25× | 280.0 | 0.50× | 0.90 | 0.50 | 0.50 |" in table
+    assert "| kda | float32 | 1 | 16 | 128 | 140.0 | 100.0 | 1.40× |" in table
+    assert "| kda | float32 | 1 | 32 | 128 | 140.0 | 112.0 | 1.25× |" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
 
 

@@ -427,10 +427,9 @@ def _layer_types(n: int, interval: int) -> list[str]:
 # --- Qwen3-Next ---------------------------------------------------------------------------------
 
 
-def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
-    cfg = {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
+def _qwen_hybrid_text(ids: dict[str, int]) -> dict:
+    """The text-model fields Qwen3-Next and Qwen3.5 share (GDN layout, layer pattern, attention)."""
+    return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": 1024,
@@ -441,8 +440,6 @@ def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
         "num_key_value_heads": 2,
         "head_dim": 256,
         "partial_rotary_factor": 0.25,
-        "rope_theta": 10000000,
-        "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "linear_conv_kernel_dim": CONV_KERNEL,
@@ -450,6 +447,26 @@ def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
         "linear_value_head_dim": GDN_HEAD_DIM,
         "linear_num_key_heads": GDN_K_HEADS,
         "linear_num_value_heads": GDN_V_HEADS,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "initializer_range": INITIALIZER_RANGE,
+        "max_position_embeddings": MAX_POSITIONS,
+        "use_cache": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": ids[ENDOFTEXT],
+        "eos_token_id": ids[IM_END],
+        "pad_token_id": ids[ENDOFTEXT],
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
+    cfg = {
+        **_qwen_hybrid_text(ids),
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "rope_theta": 10000000,
+        "rope_scaling": None,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "num_experts": 8,
@@ -460,17 +477,7 @@ def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "num_nextn_predict_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "initializer_range": INITIALIZER_RANGE,
-        "max_position_embeddings": MAX_POSITIONS,
-        "use_cache": True,
         "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": ids[IM_END],
-        "pad_token_id": ids[ENDOFTEXT],
-        "torch_dtype": "bfloat16",
     }
     h = cfg["hidden_size"]
     specs = [_lin("model.embed_tokens.weight", VOCAB_SIZE, h)]
@@ -486,20 +493,9 @@ def _qwen3_next(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
 
 def _qwen3_5(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
     text = {
+        **_qwen_hybrid_text(ids),
         "model_type": "qwen3_5_text",
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": 1024,
-        "num_hidden_layers": NUM_LAYERS,
-        "full_attention_interval": 4,
-        "layer_types": _layer_types(NUM_LAYERS, 4),
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
         "attn_output_gate": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "partial_rotary_factor": 0.25,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000000,
@@ -507,24 +503,9 @@ def _qwen3_5(ids: dict[str, int]) -> tuple[dict, list[TensorSpec]]:
             "mrope_section": [11, 11, 10],
             "mrope_interleaved": True,
         },
-        "linear_conv_kernel_dim": CONV_KERNEL,
-        "linear_key_head_dim": GDN_HEAD_DIM,
-        "linear_value_head_dim": GDN_HEAD_DIM,
-        "linear_num_key_heads": GDN_K_HEADS,
-        "linear_num_value_heads": GDN_V_HEADS,
         "mamba_ssm_dtype": "float32",
         "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "initializer_range": INITIALIZER_RANGE,
-        "max_position_embeddings": MAX_POSITIONS,
-        "use_cache": True,
-        "tie_word_embeddings": False,
-        "bos_token_id": ids[ENDOFTEXT],
-        "eos_token_id": ids[IM_END],
-        "pad_token_id": ids[ENDOFTEXT],
-        "torch_dtype": "bfloat16",
     }
     vision = {
         "model_type": "qwen3_5",

@@ -1,6 +1,4 @@
-"""Replay-mode output-only decode / verify: the inline path, and the wrapper over both paths. The outputs
-of a window of T tokens from
-the checkpoint S0 and the request's history records, never materialising the state (DESIGN §2,
+"""Replay-mode output-only decode / verify: the outputs of a window of T tokens from the checkpoint S0 and the request's history records, never materialising the state (DESIGN §2,
 "Replay algebra"), and the window's records appended after the cursor.
 
 Per value head, with ``G`` the cumulative log-decay since the checkpoint (a K-vector; GDN's scalar
@@ -129,30 +127,16 @@ def replay_verify_kernel(
         tl.debug_barrier()  # this program reads its own u stores back for the next token
 
 
-PATHS = ("inline", "block")
-"""Kernels of :func:`replay_verify`: ``inline`` (record by record, for every token: the default) and
-``block`` (history as register tiles read once per program). Measured side by side on the H200
-(``bench/results/replay/block_vs_inline``): block is 0.5-0.9x inline except GDN at L = 64 (1.1-1.3x) —
-the [L, K] tiles and per-token exponentials cost more than the reloads they save."""
-
-
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
-                  scale: float | None = None, path: str = "inline", tile: tuple[int, int] | None = None,
-                  round_beta: bool = False) -> torch.Tensor:
+                  scale: float | None = None, round_beta: bool = False) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. The caller
-    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``path`` picks the kernel
-    (:data:`PATHS`), ``tile = (BV, num_warps)`` its value block and warps (default: 32 and 1 for
-    ``inline``, 32 and 4 for ``block``). ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's
+    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's
     GDN packed decode kernel does (so a replay decode, once folded, is what that kernel leaves).
     Returns ``o`` ``[1, T_all, HV, V]``.
     """
-    from .verify_block import replay_verify_block_kernel
-
-    if path not in PATHS:
-        raise ValueError(f"path {path!r} is not one of {PATHS}")
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
@@ -160,20 +144,15 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
     if t_all // n > ring.history:
         raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    BK = triton.next_power_of_2(kdim)
+    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     if BK != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
-    BV, warps = tile or (min(triton.next_power_of_2(vdim), 32), 4 if path == "block" else 1)
     o = q.new_empty(1, t_all, hv, vdim)
-    args = (A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
-            ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
-            1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
-            a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2])
-    common = dict(H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
-                  BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta, num_warps=warps)
-    grid = (triton.cdiv(vdim, BV), n * hv)
-    if path == "inline":
-        replay_verify_kernel[grid](*args, **common, num_stages=3)
-    else:
-        replay_verify_block_kernel[grid](*args, **common, TP=triton.next_power_of_2(t_all // n))
+    replay_verify_kernel[(triton.cdiv(vdim, BV), n * hv)](
+        A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
+        ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
+        1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
+        a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
+        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
+        ROUND_BETA=round_beta, num_warps=1, num_stages=3)
     return o
