@@ -118,8 +118,10 @@ def test_every_hook_target_exists_in_sglang():
     log a missing one; the pool hook then refuses to start)."""
     import importlib
 
+    from sglang_ssm_modes.integration.hook_targets import MODE_TARGETS
     from sglang_ssm_modes.integration.plugin import HOOKS
 
+    assert set(HOOKS) == set(MODE_TARGETS), "every mode target has its hook, and nothing else is checked"
     for target in HOOKS:
         module, cls, attr = target.rsplit(".", 2)
         assert callable(getattr(getattr(importlib.import_module(module), cls), attr)), target

@@ -25,23 +25,20 @@ import argparse
 import dataclasses
 import logging
 
-from . import backend_hooks, pool_hooks
+from . import backend_hooks, hook_targets as targets, pool_hooks
 from .cli_args import add_ssm_mode_args, resolve_ssm_mode
 from .validation import linear_family, validate_mode
 
 logger = logging.getLogger(__name__)
 
-_BACKENDS = "sglang.srt.layers.attention"
 HOOKS = {  # target -> AROUND hook
-    "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool": pool_hooks.init_mamba_pool,
-    "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin.handle_max_mamba_cache":
-        pool_hooks.handle_max_mamba_cache,
-    f"{_BACKENDS}.linear.gdn_backend.GDNAttnBackend.forward_decode": backend_hooks.forward_decode,
-    f"{_BACKENDS}.linear.gdn_backend.GDNAttnBackend.forward_extend": backend_hooks.forward_extend,
-    f"{_BACKENDS}.linear.kda_backend.KDAAttnBackend.forward_decode": backend_hooks.forward_decode,
-    f"{_BACKENDS}.linear.kda_backend.KDAAttnBackend.forward_extend": backend_hooks.forward_extend,
-    f"{_BACKENDS}.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify":
-        backend_hooks.update_mamba_state_after_mtp_verify,
+    targets.POOL: pool_hooks.init_mamba_pool,
+    targets.SIZING: pool_hooks.handle_max_mamba_cache,
+    targets.GDN_DECODE: backend_hooks.forward_decode,
+    targets.GDN_EXTEND: backend_hooks.forward_extend,
+    targets.KDA_DECODE: backend_hooks.forward_decode,
+    targets.KDA_EXTEND: backend_hooks.forward_extend,
+    targets.COMMIT: backend_hooks.update_mamba_state_after_mtp_verify,
 }
 """Every AROUND hook of the plugin, by SGLang target."""
 
@@ -74,13 +71,6 @@ def _after_post_init(result, server_args, *args, **kwargs):
 def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
     _configure(server_args, args)
     return server_args
-
-
-def unapplied_hooks() -> list[str]:
-    """Targets of this plugin's hooks that SGLang did not apply (it logs and skips failures)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    return [target for target in HOOKS if target not in HookRegistry._patched]
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
 from ..ops.replay import ReplayRing
 from ..pool import LinearHeads, init_mode_mamba_pool
+from .hook_targets import unapplied_hooks
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -37,8 +38,6 @@ def init_mamba_pool(original, self, **kwargs):
     cfg = server_mode_config()
     if cfg is None:
         return original(self, **kwargs)
-    from .plugin import unapplied_hooks
-
     missing = unapplied_hooks()
     if cfg.mode != "native" and missing:
         raise RuntimeError(f"--ssm-state-mode {cfg.mode}: SGLang did not apply these hooks of sglang-ssm-modes "
