@@ -54,6 +54,7 @@ SPEC = {
               "--speculative-num-draft-tokens", "4"],
     "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
               "--speculative-ngram-max-bfs-breadth", "1"],
+    "ngramtree": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"],  # topk 10: a tree
 }
 MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
@@ -66,7 +67,7 @@ MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
 def _matrix() -> dict[str, dict]:
     out = {}
     for model, spec_name in MODEL_SPEC.items():
-        for spec in ("nospec", spec_name):
+        for spec in ("nospec", spec_name, "ngramtree"):
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:

@@ -666,16 +666,8 @@ def pinned_memory_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
 
 
-def _extra_buffer_modes():
-    return [m if m != "replay" else pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: SGLang's extend tracking (_track_mamba_state_extend) writes a raw state into the ping-pong "
-        "track slot, whose replay history is never cleared; a slot freed with a history (a finished "
-        "request's working slot) reused as a track slot keeps stale records, and copy_from then folds "
-        "them into the state a radix-cache hit receives"))) for m in MODES]
-
-
 @pytest.mark.parametrize("sglang_globals", ["extra_buffer"], indirect=True)
-@pytest.mark.parametrize("mode", _extra_buffer_modes())
+@pytest.mark.parametrize("mode", MODES)
 def test_extra_buffer_prefill_track_slot(mode, sglang_globals, monkeypatch, pinned_memory_on_cpu):
     """``extra_buffer`` (SGLang's server refuses it off CUDA; the cache, pools and scheduler code run
     here): request Z decodes and finishes (its working slot, replay: with a history of decode records,

@@ -11,7 +11,9 @@ from sglang_ssm_modes.acceptance import StateAcceptance
 from sglang_ssm_modes.ops.compact import compact_verify
 from sglang_ssm_modes.ops.replay import after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
-from test_mode_pool import HK, HV, KD, LAYERS, VD, cuda_scratch_on_cpu, make_pool  # noqa: F401
+from sglang_ssm_modes.config import SSMModeConfig
+from sglang_ssm_modes.pool import ModeMambaPool
+from test_mode_pool import HK, HV, KD, LAYERS, VD, cuda_scratch_on_cpu, gdn_params, make_pool  # noqa: F401
 
 N, D, SIZE = 5, 3, 9
 
@@ -95,3 +97,24 @@ def test_track_arguments_come_together():
     with pytest.raises(ValueError, match="come together"):
         StateAcceptance(pool).commit(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
                                      track_indices=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.usefixtures("cuda_scratch_on_cpu")
+def test_replay_tree_commit_leaves_snapshots_without_history():
+    """A replay pool built for tree verify commits through compact's records: the tracked snapshot slot
+    receives a canonical state, so whatever history it held from a previous owner is emptied; the
+    committed slot's own (empty) history stays empty."""
+    cfg = SSMModeConfig(mode="replay", draft_tokens=D, replay_history=8)
+    pool = ModeMambaPool(mode_config=cfg, size=SIZE, spec_state_size=SIZE, cache_params=gdn_params(),
+                         mamba_layer_ids=list(range(LAYERS)), device="cpu", speculative_num_draft_tokens=D,
+                         speculative_eagle_topk=2)
+    assert pool.verify_path == "compact" and pool.compact_records is not None
+    pool.replay_rings.count[:, 6] = 3  # a stale history in the slot about to receive a snapshot
+    pool.replay_rings.count[:, 7] = 2  # another slot, untouched
+    state_idx = torch.tensor([1, 2], dtype=torch.int32)
+    parents = torch.tensor([[0, 0, 1], [0, 0, 0]], dtype=torch.int32)
+    StateAcceptance(pool).commit(state_idx, torch.tensor([2, 1]), track_indices=torch.tensor([6, -1]),
+                                 steps_to_track=torch.tensor([1, 0]), retrieve_parent_token=parents)
+    assert pool.replay_rings.count[:, 6].tolist() == [0] * LAYERS
+    assert pool.replay_rings.count[:, 7].tolist() == [2] * LAYERS
+    assert (pool.replay_rings.count[:, [1, 2]] == 0).all()

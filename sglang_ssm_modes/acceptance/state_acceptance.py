@@ -62,6 +62,9 @@ class StateAcceptance:
                     compact_commit(temporal[layer], state_indices, rec, record_indices, steps_to_track,
                                    is_kda=self.is_kda, retrieve_parent_token=retrieve_parent_token,
                                    dst_states=temporal[layer], dst_indices=track_indices)
+                    if self.pool.replay_rings is not None:  # replay's tree path: the snapshot has no history
+                        clear_history(self.pool.layer_ring(layer), track_indices,
+                                      (steps_to_track >= 0) & (track_indices >= 0))
                 compact_commit(temporal[layer], state_indices, rec, record_indices, last_index, is_kda=self.is_kda,
                                retrieve_parent_token=retrieve_parent_token)
             else:

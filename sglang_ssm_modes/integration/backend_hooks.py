@@ -159,13 +159,19 @@ def _track_decode(conv_states, ssm, ring, indices, forward_batch, kda: bool) -> 
     clear_history(ring, track, mask)
 
 
-def _replay_extend(backend, pool: ModeMambaPool, layer) -> None:
+def _replay_extend(backend, pool: ModeMambaPool, layer, forward_batch) -> None:
     """Before a replay-mode prefill of one layer: fold the batch's histories (decode requests riding
-    in a mixed batch, or none) so SGLang's chunked kernel continues from the canonical state."""
+    in a mixed batch, or none) so SGLang's chunked kernel continues from the canonical state; with
+    extra_buffer, empty the histories of the track slots SGLang's extend tracking is about to write a
+    raw (canonical) state into — a reused slot may still hold a previous owner's records. On the
+    forward stream, like SGLang's own deferred clears."""
     md = backend.forward_metadata
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
     _fold_all(cache.temporal, ring, md.mamba_cache_indices, _is_kda(backend))
+    if forward_batch.mamba_track_mask is not None:
+        bs = forward_batch.batch_size
+        clear_history(ring, forward_batch.mamba_track_indices[:bs], forward_batch.mamba_track_mask[:bs])
 
 
 # ---- hooks (AROUND: fn(original, self, ...)) ---------------------------------------------------
@@ -188,7 +194,7 @@ def forward_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwar
         if pool.verify_path != "native" or kda:
             return _verify(self, pool, layer, forward_batch, mixed_qkv, a, b, kda)
     elif pool is not None and pool.mode == "replay":
-        _replay_extend(self, pool, layer)
+        _replay_extend(self, pool, layer, forward_batch)
     return original(self, layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv, a=a, b=b, **kwargs)
 
 
