@@ -13,7 +13,8 @@ from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import pool_hooks
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 from sglang_ssm_modes.sizing import LinearAttnShape, request_bytes
-from test_mode_pool import cuda_scratch_on_cpu, gdn_params, kda_params  # noqa: F401  (fixture)
+from test_mode_pool import (HV, KD, LAYERS, VD, _expected_fold, _fill_history, cuda_scratch_on_cpu,  # noqa: F401
+                            gdn_params, kda_params, make_pool)
 
 GB = 1 << 30
 
@@ -103,3 +104,41 @@ def test_server_mode_config_reads_sglangs_global_server_args(monkeypatch):
     cfg = SSMModeConfig(mode="replay", draft_tokens=4, replay_history=32, state_dtype=torch.bfloat16)
     monkeypatch.setattr(sa, "_global_server_args", SimpleNamespace(ssm_mode_config=cfg.to_dict()))
     assert pool_hooks.server_mode_config() == cfg
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_int8_checkpoints_store_the_canonical_state(mode, cuda_scratch_on_cpu):  # noqa: F811
+    """SGLang's ``MambaCheckpointPool`` through the hooks: a replay slot with history is stored as its
+    canonical state (quantized exactly as SGLang quantizes that state), the active slot is only read,
+    and the slot a checkpoint is loaded into starts with an empty history."""
+    from sglang.srt.mem_cache.mamba_checkpoint_pool import MambaCheckpointPool
+
+    pool = make_pool(mode, draft_tokens=1, size=6, history=8)
+    gen = torch.Generator().manual_seed(5)
+    pool.mamba_cache.temporal.copy_(torch.randn(pool.mamba_cache.temporal.shape, generator=gen) * 0.1)
+    pool.mamba_cache.conv[0].copy_(torch.randn(pool.mamba_cache.conv[0].shape, generator=gen).to(torch.bfloat16))
+    if mode == "replay":
+        _fill_history(pool, [2, 4], 3, gen)
+    canonical = torch.stack([torch.stack([_expected_fold(pool, layer, s) if mode == "replay"
+                                          else pool.mamba_cache.temporal[layer, s] for s in (2, 4)])
+                             for layer in range(LAYERS)])
+    temporal, cursors = pool.mamba_cache.temporal.clone(), pool.replay_rings and pool.replay_rings.count.clone()
+    ckpt = MambaCheckpointPool(num_layers=LAYERS, num_slots=4, num_heads=HV, head_v_dim=VD, head_k_dim=KD,
+                               conv_shapes=[tuple(pool.mamba_cache.conv[0].shape[2:])], conv_dtype=torch.bfloat16,
+                               device="cpu", temporal_dtype=torch.float32)
+    src, dst = torch.tensor([2, 4]), torch.tensor([1, 3])
+    pool_hooks.int8_store_from_active(MambaCheckpointPool.store_from_active, ckpt, pool, src, dst)
+    assert torch.equal(pool.mamba_cache.temporal, temporal), "the active slots are only read"
+    q, scale = ckpt.temporal.quantize(canonical)  # SGLang's own quantizer on the expected state
+    # replay: the expected state is the plain-torch fold, the stored one the kernel's (float32 rounding apart)
+    assert (ckpt.temporal.qdata[:, dst].int() - q.int()).abs().max() <= (0 if mode != "replay" else 1)
+    torch.testing.assert_close(ckpt.temporal.scale[:, dst], scale, rtol=1e-5 if mode == "replay" else 0, atol=0)
+    assert torch.equal(ckpt.conv[0][:, dst], pool.mamba_cache.conv[0][:, src])
+    if mode == "replay":
+        assert torch.equal(pool.replay_rings.count, cursors)
+        pool.replay_rings.count[:, 5] = 2  # the receiving slot held someone's history
+    pool_hooks.int8_load_to_active(MambaCheckpointPool.load_to_active, ckpt, pool, dst[:1], torch.tensor([5]))
+    torch.testing.assert_close(pool.mamba_cache.temporal[:, 5], ckpt.temporal.load(dst[:1], torch.float32)[:, 0])
+    if mode == "replay":
+        assert (pool.replay_rings.count[:, 5] == 0).all() and torch.equal(pool.replay_rings.count[:, [2, 4]],
+                                                                          cursors[:, [2, 4]])

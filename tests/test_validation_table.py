@@ -43,7 +43,7 @@ CHOICE_TABLE = {
 }
 SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
     "hicache": (["--enable-hierarchical-cache"], ("replay",), "--enable-hierarchical-cache"),
-    "int8_ckpt": (["--enable-int8-mamba-checkpoint"], ("replay",), "--enable-int8-mamba-checkpoint"),
+    "int8_ckpt": (["--enable-int8-mamba-checkpoint"], (), None),
     "no_overlap": (["--disable-overlap-schedule"], (), None),
     "page_16": (["--page-size", "16"], (), None),
     "tp_2": (["--tp-size", "2"], (), None),

@@ -10,7 +10,8 @@ Hooks:
   ``ServerArgs`` as ``ssm_mode_config`` (a dict of plain values: it travels with them to every scheduler
   process, and SGLang can serialise them);
 * ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
-  mode's pool and its sizing (:mod:`.pool_hooks`);
+  mode's pool and its sizing; ``MambaCheckpointPool.store_from_active`` / ``load_to_active``: int8
+  radix-cache checkpoints of the canonical state (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
   ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
   (:mod:`.backend_hooks`).
@@ -39,6 +40,8 @@ HOOKS = {  # target -> AROUND hook
     targets.KDA_DECODE: backend_hooks.forward_decode,
     targets.KDA_EXTEND: backend_hooks.forward_extend,
     targets.COMMIT: backend_hooks.update_mamba_state_after_mtp_verify,
+    targets.INT8_STORE: pool_hooks.int8_store_from_active,
+    targets.INT8_LOAD: pool_hooks.int8_load_to_active,
 }
 """Every AROUND hook of the plugin, by SGLang target."""
 

@@ -1,6 +1,8 @@
 """Hooks that build the mode's pool inside SGLang 0.5.14 and size it: ``HybridReqToTokenPool._init_mamba_pool``
 (the pool) and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache`` (how many pool slots fit, so memory a
-mode saves becomes more running requests or more radix cache).
+mode saves becomes more running requests or more radix cache); and the int8 radix-cache checkpoints
+(``MambaCheckpointPool``), which read and write the pool's raw state: they store the canonical state and
+the slot that receives one starts with an empty history.
 
 The mode comes from the server arguments (``ServerArgs.ssm_mode_config``, set at startup by the plugin);
 without one every hook is SGLang's own behaviour.
@@ -14,7 +16,7 @@ import logging
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
 from ..ops.replay import ReplayRing
-from ..pool import LinearHeads, init_mode_mamba_pool
+from ..pool import LinearHeads, ModeMambaPool, init_mode_mamba_pool
 from .hook_targets import unapplied_hooks
 
 logger = logging.getLogger(__name__)
@@ -108,3 +110,21 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
                 "%d pool slots (%.2f GiB)", cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size,
                 reserved)
     return total_rest_memory - reserved
+
+
+def int8_store_from_active(original, self, active_mamba_pool, active_slots, ckpt_slots):
+    """AROUND ``MambaCheckpointPool.store_from_active``: quantize the canonical state (replay: checkpoint +
+    history, materialised into a temporary of the stored slots only; the active slot is only read)."""
+    if not isinstance(active_mamba_pool, ModeMambaPool) or active_mamba_pool.replay_rings is None:
+        return original(self, active_mamba_pool, active_slots, ckpt_slots)
+    self.temporal.store(ckpt_slots, active_mamba_pool.canonical_states(active_slots))
+    for i, conv in enumerate(self.conv):  # the conv window as SGLang copies it
+        conv[:, ckpt_slots] = active_mamba_pool.mamba_cache.conv[i][:, active_slots]
+
+
+def int8_load_to_active(original, self, active_mamba_pool, ckpt_slots, active_slots):
+    """AROUND ``MambaCheckpointPool.load_to_active``: SGLang's dequantizing copy, then the receiving
+    slots' histories are emptied (on the forward stream, where SGLang runs this copy-on-write)."""
+    original(self, active_mamba_pool, ckpt_slots, active_slots)
+    if isinstance(active_mamba_pool, ModeMambaPool):
+        active_mamba_pool.clear_history(active_slots)

@@ -47,8 +47,6 @@ def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_na
          "HiCache's host transfers read the raw state buffers, which replay does not materialise before them yet"),
         (server_args.disaggregation_mode not in (None, "null"), f"--disaggregation-mode {server_args.disaggregation_mode}",
          "PD transfer is not wired to replay's materialisation yet"),
-        (getattr(server_args, "enable_int8_mamba_checkpoint", False), "--enable-int8-mamba-checkpoint",
-         "int8 checkpoints are stored from the raw active slot, which replay does not materialise first yet"),
     )
     for hit, other, why in refused:
         if hit:

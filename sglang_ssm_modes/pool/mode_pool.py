@@ -19,10 +19,11 @@ the conv path, its commit and its tree handling stay SGLang's; it costs as much 
 radix cache, HiCache and PD.
 
 Everything that hands pool contents to someone else (``copy_from`` for radix-cache checkpoints,
-``get_cpu_copy`` for offload, ``prepare_for_transfer`` for PD) sees the canonical committed state:
-replay materialises it first (into the destination slot, or by folding in place), and whatever
-receives a state (``copy_from``'s destination, ``load_cpu_copy``, ``clear_slots``) starts with an
-empty history. The conv window keeps SGLang's layout in every mode for now.
+``get_cpu_copy`` for offload, ``canonical_states`` for int8 checkpoints) sees the canonical committed
+state: replay materialises it first (into the destination slot, a copy, or by folding in place), and
+whatever receives a state (``copy_from``'s destination, ``load_cpu_copy``, ``clear_slots``,
+``clear_history``) starts with an empty history. PD transfer and HiCache read the raw buffers: replay
+refuses them at startup.
 
 This module imports SGLang (it is glue); the kernels it drives live in :mod:`sglang_ssm_modes.ops`.
 """
@@ -194,7 +195,7 @@ class ModeMambaPool(MambaPool):
     # ---- SGLang's interface, mode-aware ----------------------------------------------------
     def clear_slots(self, indices: torch.Tensor):
         super().clear_slots(indices)
-        self._clear_history(indices)
+        self.clear_history(indices)
 
     def copy_from(self, src_indices: torch.Tensor, dst_indices: torch.Tensor):
         """Radix-cache checkpoint / copy-on-write: the destination receives the canonical committed
@@ -202,7 +203,7 @@ class ModeMambaPool(MambaPool):
         and an empty history."""
         if self.replay_rings is None:
             super().copy_from(src_indices, dst_indices)
-            self._clear_history(dst_indices)
+            self.clear_history(dst_indices)
             return
         for i in range(len(self.mamba_cache.conv)):
             self.mamba_cache.conv[i][:, dst_indices] = self.mamba_cache.conv[i][:, src_indices]
@@ -212,7 +213,7 @@ class ModeMambaPool(MambaPool):
             temporal = self.mamba_cache.temporal[layer]
             replay_fold(temporal, src, self.layer_ring(layer), src, everything, is_kda=self.heads.family == "kda",
                         dst=temporal, dst_indices=dst)
-        self._clear_history(dst_indices)
+        self.clear_history(dst_indices)
 
     def materialise_in_place(self, indices: torch.Tensor) -> None:
         """Fold the histories of ``indices`` into their checkpoints (replay; no-op otherwise), so the
@@ -227,7 +228,21 @@ class ModeMambaPool(MambaPool):
                         is_kda=self.heads.family == "kda")
             after_fold(ring, idx, everything)
 
-    prepare_for_transfer = materialise_in_place  # PD export: call before the transfer is started
+    def canonical_states(self, indices: torch.Tensor) -> torch.Tensor:
+        """``[layers, len(indices), HV, V, K]``: the committed states of ``indices`` in the state dtype
+        (replay: checkpoint + history materialised into this new tensor; the pool is only read)."""
+        idx = _as_index(indices, self.device)
+        temporal = self.mamba_cache.temporal
+        if self.replay_rings is None:
+            return temporal[:, idx.long()]
+        out = torch.empty((temporal.shape[0], idx.shape[0], *temporal.shape[2:]), dtype=temporal.dtype,
+                          device=temporal.device)
+        everything = torch.ones_like(idx, dtype=torch.bool)
+        rows = torch.arange(idx.shape[0], dtype=torch.int32, device=idx.device)
+        for layer in range(self.num_mamba_layers):
+            replay_fold(temporal[layer], idx, self.layer_ring(layer), idx, everything,
+                        is_kda=self.heads.family == "kda", dst=out[layer], dst_indices=rows)
+        return out
 
     def get_cpu_copy(self, indices):
         self.materialise_in_place(indices)
@@ -235,9 +250,11 @@ class ModeMambaPool(MambaPool):
 
     def load_cpu_copy(self, mamba_cache_cpu, indices):
         super().load_cpu_copy(mamba_cache_cpu, indices)
-        self._clear_history(indices)
+        self.clear_history(indices)
 
-    def _clear_history(self, indices) -> None:
+    def clear_history(self, indices) -> None:
+        """Empty the histories of pool slots ``indices`` (replay; no-op otherwise): a slot that has just
+        received a canonical state from elsewhere."""
         if self.replay_rings is not None:
             idx = _as_index(indices, self.device).long()
             self.replay_rings.count[:, idx] = 0
