@@ -216,6 +216,8 @@ def update_mamba_state_after_mtp_verify(original, self, last_correct_step_indice
     if mamba_track_indices is not None:
         fused_conv_window_scatter_with_mask(conv_states, window, mamba_track_indices, mamba_steps_to_track)
     fused_conv_window_scatter_with_mask(conv_states, window, state_indices, last_correct_step_indices)
-    acceptance = pool.__dict__.setdefault("state_acceptance", StateAcceptance(pool))
+    acceptance = pool.__dict__.get("state_acceptance") or pool.__dict__.setdefault("state_acceptance",
+                                                                                   StateAcceptance(pool))
     acceptance.commit(state_indices, last_correct_step_indices, track_indices=mamba_track_indices,
-                      steps_to_track=mamba_steps_to_track, retrieve_parent_token=tree[:n] if tree is not None else None)
+                      steps_to_track=mamba_steps_to_track, retrieve_parent_token=tree[:n] if tree is not None else None,
+                      record_indices=pool.record_rows[:n])
