@@ -15,7 +15,9 @@ Requests, identical for every server:
   replay history of 16 folds several times over 64 tokens);
 * teacher forcing: each prompt + native's greedy continuation + 16 more tokens, with the input
   log-probabilities of everything after the prompt. With the radix cache on, these requests hit the
-  prefix cached by the first phase (copy-on-write of a state that replay must materialise).
+  prefix cached by the first phase (copy-on-write of a state that replay must materialise);
+* with ``--gsm8k N``: ``scripts/gsm8k_eval.py`` against the server, N questions (answers compared with
+  native's).
 
 Parity per configuration against the native server of the same model and speculation: the largest
 teacher-forced log-probability difference, and greedy agreement: tokens identical up to the first
@@ -200,12 +202,31 @@ def parity(native: dict, other: dict, tie_gap: float) -> dict:
             gap = n["gaps"][same]
             divergences.append({"prompt": i, "position": same, "native_top2_gap": gap, "near_tie": gap < tie_gap})
     tf = [abs(a - b) for n, o in zip(native["tf"], other["tf"]) for a, b in zip(n, o)]
-    return {"greedy_agreement": agree / max(total, 1), "divergences": divergences,
+    gsm8k = {}
+    if "gsm8k" in native and "gsm8k" in other:
+        pairs = list(zip(native["gsm8k"]["responses"], other["gsm8k"]["responses"]))
+        gsm8k = {"gsm8k_answer_agreement": sum(a == b for a, b in zip(native["gsm8k"]["answers"],
+                                                                      other["gsm8k"]["answers"])) / len(pairs),
+                 "gsm8k_text_agreement": sum(a == b for a, b in pairs) / len(pairs)}
+    return {**gsm8k, "greedy_agreement": agree / max(total, 1), "divergences": divergences,
             "unexplained_divergences": sum(not d["near_tie"] for d in divergences),
             "max_logprob_diff_generated": max(gen_diffs, default=0.0),
             "p50_p99_logprob_diff_generated": _percentiles(gen_diffs, (0.5, 0.99)),
             "max_logprob_diff_teacher_forced": max(tf, default=0.0),
             "teacher_forced_tokens": len(tf)}
+
+
+def run_gsm8k(url: str, name: str, args) -> dict:
+    """scripts/gsm8k_eval.py against the live server (as a user runs it): accuracy and the extracted
+    answer per question. Test models answer nonsense; what matters is that it runs and that the
+    modes answer what native answers."""
+    out = args.out / "gsm8k" / name
+    cmd = [sys.executable, str(Path(__file__).with_name("gsm8k_eval.py")), "--server", f"{name}={url}",
+           "--num-questions", str(args.gsm8k), "--num-shots", "2", "--max-tokens", "96", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    server = json.loads((out / "gsm8k.json").read_text())["servers"][0]
+    return {"accuracy": server["accuracy"], "invalid": server["invalid"],
+            "answers": [q["pred"] for q in server["questions"]], "responses": [q["response"] for q in server["questions"]]}
 
 
 def reference_key(cfg: dict) -> tuple:
@@ -236,6 +257,8 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
         row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                         "accept_length": round(tokens / sum(verify), 3) if verify else None}
+        if args.gsm8k:
+            row["gsm8k"] = run_gsm8k(server.url, name, args)
         info = json.loads(_get(server.url + "/server_info", timeout=30))
         row["server"] = {k: info.get(k) for k in ("max_total_num_tokens", "max_running_requests",
                                                   "max_mamba_cache_size", "ssm_mode_config") if k in info}
@@ -261,6 +284,8 @@ def main(argv=None) -> int:
     p.add_argument("--tie-gap", type=float, default=0.05)
     p.add_argument("--start-timeout", type=float, default=400)
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--gsm8k", type=int, default=0, metavar="N",
+                   help="also run scripts/gsm8k_eval.py (N questions, 2 shots) against each server")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(MATRIX))
@@ -270,6 +295,8 @@ def main(argv=None) -> int:
         p.error(f"unknown configuration(s) {unknown}; --list prints the {len(MATRIX)} names")
     if min(args.prompts, args.prompt_len, args.new_tokens) < 1 or args.prompts > 32:
         p.error("--prompts (1..32, the server's --max-running-requests), --prompt-len and --new-tokens must be >= 1")
+    if not 0 <= args.gsm8k <= 1300:
+        p.error("--gsm8k takes 0 (off) to 1300 questions")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     # natives first: every other configuration is judged against the native server of its model and spec
     order = sorted(args.configs, key=lambda c: MATRIX[c]["mode"] != "native")
@@ -294,6 +321,9 @@ def main(argv=None) -> int:
 
 def _write(out: Path, rows: list[dict]) -> None:
     slim = [{k: v for k, v in r.items() if k not in ("gen", "tf")} for r in rows]
+    for r in slim:
+        if "gsm8k" in r:
+            r["gsm8k"] = {k: v for k, v in r["gsm8k"].items() if k != "responses"}
     meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F")}
     (out / "e2e_h200.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=1))
     lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "

@@ -1,5 +1,6 @@
 """A stand-in for ``sglang.launch_server`` speaking the few endpoints scripts/e2e_servers.py uses
-(``/health``, ``/generate``, ``/server_info``), so the script's own logic runs in the CPU tests.
+(``/health``, ``/generate``, ``/server_info``, and for scripts/gsm8k_eval.py ``/v1/models``,
+``/flush_cache``, ``/v1/completions``), so the scripts' own logic runs in the CPU tests.
 
     python fake_sglang_server.py PORT BEHAVIOUR
 
@@ -37,10 +38,21 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self._send({"max_total_num_tokens": 65536, "max_running_requests": 32} if "server_info" in self.path else {})
+        if "server_info" in self.path:
+            self._send({"max_total_num_tokens": 65536, "max_running_requests": 32})
+        elif self.path.startswith("/v1/models"):
+            self._send({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        else:  # /health, /flush_cache
+            self._send({})
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.startswith("/v1/completions"):  # scripts/gsm8k_eval.py: an answer from the prompt
+            answer = sum(map(ord, req["prompt"])) % 100 + (1 if BEHAVIOUR == "wrong" else 0)
+            self._send({"id": "x", "object": "text_completion", "created": 0, "model": "fake",
+                        "choices": [{"index": 0, "text": f" So the answer is {answer}.", "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}})
+            return
         ids, start = list(req["input_ids"]), req.get("logprob_start_len", 0)
         input_lp = [[None, ids[0], None]] + [[logprob(ids[:i], ids[i]), ids[i], None] for i in range(1, len(ids))]
         out, out_lp, top = [], [], []

@@ -59,10 +59,14 @@ def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
     out = fake_servers
     rc = e2e_servers.main(["--out", str(out), "--configs", "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
                            "kimi-linear-replay-L16-ngram-noradix", "--prompts", "2", "--new-tokens", "8",
-                           "--port", "31950", "--start-timeout", "60"])
+                           "--port", "31950", "--start-timeout", "60", "--gsm8k", "3"])
     assert rc == 1
     rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
     assert rows["kimi-linear-compact-ngram-nograph"]["parity"]["unexplained_divergences"] == 2
+    # the GSM8K script ran against each live server; the "wrong" server answers differently from native
+    gsm = rows["kimi-linear-compact-ngram-nograph"]
+    assert len(gsm["gsm8k"]["answers"]) == 3 and gsm["parity"]["gsm8k_answer_agreement"] == 0.0
+    assert (out / "gsm8k" / "kimi-linear-native-ngram" / "gsm8k.json").exists()
     crashed = rows["kimi-linear-replay-L16-ngram-noradix"]
     assert not crashed["started"] and "exited with 3" in crashed["error"]
 
@@ -81,10 +85,10 @@ def test_every_configuration_parses_with_sglangs_parser_and_the_plugin(tmp_path)
         "import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
         "import argparse\nfrom sglang.srt.server_args import ServerArgs\n"
         "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
-        "bad = []\nfor name, argv in json.loads(sys.argv[1]).items():\n"
+        "bad = []\nfor name, argv in json.load(sys.stdin).items():\n"
         "    try: p.parse_args(argv)\n    except SystemExit: bad.append(name)\nprint(json.dumps(bad))\n")
     lines = {name: e2e_servers.server_argv(cfg, tmp_path, 30000)[3:] for name, cfg in e2e_servers.MATRIX.items()}
-    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(lines)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", driver], input=json.dumps(lines), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
