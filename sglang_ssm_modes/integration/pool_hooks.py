@@ -88,7 +88,7 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
     dp = self.dp_size if sa.enable_dp_attention else 1
     slot, running = mode_bytes_per_request(cfg, self.mambaish_config.mamba2_cache_params, sa.speculative_eagle_topk)
     spec = not self.spec_algorithm.is_none()
-    ratio = self._calculate_mamba_ratio() if spec else 1
+    ratio = self._calculate_mamba_ratio() if spec else 1  # SGLang's joint solve uses it only when speculating
     if sa.max_mamba_cache_size is not None:
         sa.max_mamba_cache_size //= dp
     elif sa.disable_radix_cache and sa.max_running_requests is not None:
@@ -106,9 +106,11 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
             f"Not enough GPU memory for the linear-attention state in --ssm-state-mode {cfg.mode}: "
             f"max_mamba_cache_size={sa.max_mamba_cache_size} ({slot / (1 << 20):.2f} MiB per slot). Reduce "
             "--max-running-requests or --ssm-replay-history, or raise --mem-fraction-static.")
+    ratio = self._calculate_mamba_ratio()
     logger.info("sglang-ssm-modes: %s: %.2f MiB per pool slot + %.2f MiB per running request when speculating; "
-                "%d pool slots (%.2f GiB)", cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size,
-                reserved)
+                "%d pool slots (%.2f GiB) -> up to %d running requests (%d slots each with the radix cache's ratio)",
+                cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size, reserved,
+                sa.max_mamba_cache_size // ratio, ratio)
     return total_rest_memory - reserved
 
 
