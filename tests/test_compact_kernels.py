@@ -164,3 +164,45 @@ def test_request_counts_1_to_511_compile_each_kernel_once():
     torch.cuda.synchronize()
     after = (_compiled_variants(verify_window_kernel), _compiled_variants(compact_commit_kernel))
     assert (after[0] - before[0], after[1] - before[1]) in {(1, 1), (0, 0)}, (before, after)
+
+
+def _random_kernel_case(case: int, gen: torch.Generator):
+    """One random speculative round: family, GQA group, odd or even batch with a padding row, D 2..5,
+    chain or tree, state dtype, last accepted node -1..D-1 per row."""
+    def pick(*options):
+        return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+    family = pick("gdn", "kda")
+    hk = pick(1, 2)
+    hv = hk * (pick(1, 2) if family == "gdn" else 1)
+    n, d = pick(1, 2, 3, 5), pick(2, 3, 4, 5)
+    state_dtype = pick(torch.float32, torch.bfloat16)
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 16, 16, state_dtype, seed=10_000 + case)
+    last = torch.randint(-1, d, (n,), generator=gen)
+    parents = random_tree_parents(n, d, gen) if pick(False, True) else None
+    return family, hk, hv, n, d, params, x, pool, state_idx, last, parents
+
+
+def _acceptance_cases(count: int):
+    gen = torch.Generator().manual_seed(4242)
+    for case in range(count):
+        family, hk, hv, n, d, params, x, pool, state_idx, last, parents = _random_kernel_case(case, gen)
+        o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d, parents)
+        o_cmp, pool_cmp, _ = _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents)
+        real = (state_idx >= 0).to(DEVICE)
+        assert torch.equal(o_cmp.reshape(n, d, -1)[real], o_nat.reshape(n, d, -1)[real]), case
+        assert torch.equal(pool_cmp, pool_nat), case  # the whole pool
+
+
+def test_random_acceptance_cases_through_the_kernels_sample():
+    """The first 24 of the random acceptance cases through the kernels (the interpreter is slow); all
+    1 000 run on the GPU below."""
+    _acceptance_cases(24)
+
+
+@pytest.mark.gpu
+def test_random_acceptance_cases_through_the_kernels_1000():
+    """1 000 random speculative rounds (GDN with and without GQA, KDA; chains and trees; float32 and
+    bfloat16 states; accepted node -1..D-1; padding rows) through SGLang's native verify + scatter and
+    compact's verify + commit: outputs and the whole pool bit for bit."""
+    _acceptance_cases(1000)
