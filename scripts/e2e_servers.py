@@ -6,7 +6,7 @@ each sent the same requests; parity of every mode with native judged from what t
 Configurations are named ``<model>-<mode>[-L<history>]-<spec>[-<variant>...]`` and come from
 :data:`MATRIX` (``--list`` prints them). Models are this repo's test models
 (``sglang_ssm_modes.testing.models``: seeded weights at a realistic scale, a local tokenizer),
-generated under ``OUT/models`` on first use.
+generated under ``--models`` (a temporary folder by default) on first use.
 
 Requests, identical for every server:
 
@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -237,7 +238,7 @@ def reference_key(cfg: dict) -> tuple:
 def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[int]] | None) -> dict:
     from sglang_ssm_modes.testing.models import make_test_model
 
-    model_dir = args.out / "models" / cfg["model"]
+    model_dir = args.models / cfg["model"]
     if not (model_dir / "config.json").exists():
         make_test_model(cfg["model"], model_dir, seed=0)
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size", 512)
@@ -275,6 +276,8 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "sglang-ssm-modes-test-models",
+                   help="where the test models are generated (kept out of --out: results only there)")
     p.add_argument("--configs", nargs="+", default=["qwen3-next-native-nextn", "qwen3-next-compact-nextn",
                                                     "qwen3-next-replay-L16-nextn"])
     p.add_argument("--list", action="store_true", help="print the configuration names and exit")

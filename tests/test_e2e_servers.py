@@ -38,7 +38,7 @@ def test_parity_and_reports(fake_servers):
     out = fake_servers
     configs = ["qwen3-next-compact-nextn", "qwen3-next-replay-L16-nextn", "qwen3-next-native-nextn",
                "qwen3-next-native-nextn-bf16", "qwen3-next-compact-nextn-bf16"]
-    rc = e2e_servers.main(["--out", str(out), "--configs", *configs, "--prompts", "3", "--new-tokens", "12",
+    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs, "--prompts", "3", "--new-tokens", "12",
                            "--port", "31900", "--start-timeout", "60"])
     assert rc == 0
     rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
@@ -57,7 +57,7 @@ def test_parity_and_reports(fake_servers):
 
 def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
     out = fake_servers
-    rc = e2e_servers.main(["--out", str(out), "--configs", "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
+    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
                            "kimi-linear-replay-L16-ngram-noradix", "--prompts", "2", "--new-tokens", "8",
                            "--port", "31950", "--start-timeout", "60", "--gsm8k", "3"])
     assert rc == 1
