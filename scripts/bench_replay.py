@@ -46,7 +46,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
     from sglang_ssm_modes.ops.native import native_verify
-    from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
+    from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -68,9 +68,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
     def replay_step(r):
-        need = fold_needed(ring, groups[r], d)
-        replay_fold(pool, groups[r], ring, groups[r], need, is_kda=is_kda)
-        after_fold(ring, groups[r], need)
+        fold_into_checkpoints(pool, groups[r], ring, groups[r], fold_needed(ring, groups[r], d), is_kda=is_kda)
         replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
                       groups[r], is_kda=is_kda, round_beta=round_beta)
         advance(ring, groups[r], accepted)
@@ -115,7 +113,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
     for impl_, fn_, nbytes_, path_, per_req in (
             (impl, fn, nbytes, path, native_per_req),
-            ("ours-replay", replay_step, replay_bytes, f"fold_needed+replay_fold(masked)+replay_verify(round_beta={round_beta})+advance",
+            ("ours-replay", replay_step, replay_bytes, f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
              state_bytes + 2 * history * rec + 8)):
         us = time_graph(fn_, rounds)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,

@@ -189,12 +189,15 @@ def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype
     assert torch.equal(replay.mamba_cache.conv[0], native.mamba_cache.conv[0])
 
 
-def decode(backend, layer, slots: torch.Tensor, inputs, family: str):
-    """One plain-decode token per request through the backend's (hooked) ``forward_decode``."""
+def decode(backend, layer, slots: torch.Tensor, inputs, family: str, track: torch.Tensor | None = None):
+    """One plain-decode token per request through the backend's (hooked) ``forward_decode``; ``track``
+    ``[N]``: extra_buffer track slots (< 0: not tracked this step)."""
     n = slots.shape[0]
     backend.forward_metadata = ForwardMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
                                                mamba_cache_indices=slots)
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=n, mamba_track_mask=None)
+    if track is not None:
+        batch.mamba_track_mask, batch.mamba_track_indices = track >= 0, track.clamp_min(0).to(torch.int64)
     mixed, a, b = inputs
     if family == "kda":  # Kimi-Linear's decode hands the raw gate [T, HV*K] and beta logits
         a, b = a.reshape(n, -1), torch.logit(b).to(torch.bfloat16)
@@ -259,3 +262,34 @@ def _replay_decode_and_prefill(family, monkeypatch):
         assert err <= 1e-5 * native.mamba_cache.temporal[0, s].abs().max(), (s, float(err))
     untouched = [s for s in range(replay.size + 1) if s not in slots.tolist()]
     assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
+
+
+def test_replay_decode_tracking_for_the_radix_cache(monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
+    """extra_buffer tracking during decode (GDN: SGLang refuses extra_buffer for Kimi-Linear): SGLang's
+    own copy of the conv window and state into the track slots (native), and for replay the same copy
+    with the materialised state written over the raw checkpoint — the track slot holds the canonical
+    state within 1e-6 and no history."""
+    family = "gdn"
+    with sglang_fla_on_cpu():
+        gen = torch.Generator().manual_seed(9)
+        pools = {m: make_pool(m, 1, monkeypatch, family, history=8) for m in ("native", "replay")}
+        seed_pools(list(pools.values()), gen)
+        layer = make_layer(0, gen, family)
+        backends = {m: make_backend(p, family) for m, p in pools.items()}
+        slots = torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV)
+        untracked = torch.full((3,), -1, dtype=torch.int32, device=DEV)
+        tracked = torch.tensor([6, -1, 7], dtype=torch.int32, device=DEV)  # two requests tracked, one not
+        rings = pools["replay"].mamba_pool.layer_ring(0)
+        rings.count[6] = 3  # a track slot reused from a request that left a history behind
+        for step in range(5):
+            x = verify_inputs(slots.shape[0], 1, gen, family)
+            for m in pools:
+                decode(backends[m], layer, slots, x, family, tracked if step == 4 else untracked)
+        native, replay = pools["native"].mamba_pool, pools["replay"].mamba_pool
+        assert torch.equal(replay.mamba_cache.conv[0][:, [6, 7]], native.mamba_cache.conv[0][:, [6, 7]])
+        got, want = replay.mamba_cache.temporal[0, [6, 7]], native.mamba_cache.temporal[0, [6, 7]]
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+        assert rings.count[[6, 7]].tolist() == [0, 0] and rings.count[slots.long()].tolist() == [5, 5, 5]
+        untouched = [s for s in range(replay.size + 1) if s not in (1, 2, 5, 6, 7)]
+        assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
+

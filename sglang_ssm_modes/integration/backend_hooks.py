@@ -30,7 +30,7 @@ import torch
 from ..acceptance import StateAcceptance
 from ..ops.compact import compact_verify
 from ..ops.native import native_verify
-from ..ops.replay import advance, after_fold, clear_history, fold_needed, replay_fold, replay_verify
+from ..ops.replay import advance, clear_history, fold_into_checkpoints, fold_needed, replay_fold, replay_verify
 from ..pool import ModeMambaPool
 
 
@@ -64,24 +64,10 @@ def _split_heads(layer, mixed: torch.Tensor):
             v.unflatten(-1, (-1, layer.head_v_dim)).unsqueeze(0))
 
 
-def _gates(a: torch.Tensor, b: torch.Tensor, tokens: int, kda: bool):
+def _gates(a: torch.Tensor, b: torch.Tensor, tokens: int):
     """The gate inputs in the layout the mode kernels take: ``a`` ``[T, HV]`` (GDN) or ``[T, HV * K]``
     (KDA), ``b`` ``[T, HV]``."""
     return a.reshape(tokens, -1), b.reshape(tokens, -1)
-
-
-def _fold_where_needed(ssm_states, ring, indices, window: int, kda: bool) -> None:
-    """Fold the histories that a window of ``window`` tokens would overflow (device-side mask)."""
-    need = fold_needed(ring, indices, window)
-    replay_fold(ssm_states, indices, ring, indices, need, is_kda=kda)
-    after_fold(ring, indices, need)
-
-
-def _fold_all(ssm_states, ring, indices, kda: bool) -> None:
-    """Fold every history of ``indices`` into its checkpoint (the checkpoint becomes canonical)."""
-    everything = indices >= 0
-    replay_fold(ssm_states, indices, ring, indices, everything, is_kda=kda)
-    after_fold(ring, indices, everything)
 
 
 def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b, kda: bool) -> torch.Tensor:
@@ -103,7 +89,7 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
                      intermediate_state_indices=rows, retrieve_next_token=md.retrieve_next_token,
                      retrieve_next_sibling=md.retrieve_next_sibling, retrieve_parent_token=md.retrieve_parent_token)
     q, k, v = _split_heads(layer, x.transpose(1, 2).reshape(tokens, -1))
-    a, b = _gates(a, b, tokens, kda)
+    a, b = _gates(a, b, tokens)
     ssm, indices = cache.temporal, md.mamba_cache_indices[:bs]
     parents = md.retrieve_parent_token if tree else None
     common = dict(is_kda=kda, beta_activated=kda, scale=layer.head_k_dim ** -0.5)
@@ -113,9 +99,9 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
     if pool.mode == "replay":
         ring = pool.layer_ring(local)
         if pool.verify_path == "replay":
-            _fold_where_needed(ssm, ring, indices, draft, kda)
+            fold_into_checkpoints(ssm, indices, ring, indices, fold_needed(ring, indices, draft), is_kda=kda)
             return replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, **common)
-        _fold_all(ssm, ring, indices, kda)  # tree: compact's path from the canonical checkpoint
+        fold_into_checkpoints(ssm, indices, ring, indices, indices >= 0, is_kda=kda)  # tree: compact's path
     return compact_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, pool.layer_records(local), rows,
                           retrieve_parent_token=parents, **common)
 
@@ -132,30 +118,29 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     x = _conv_update(backend, layer, mixed_qkv, conv_states, kda, conv_state_indices=indices)
     tokens = x.shape[0]
     q, k, v = _split_heads(layer, x)
-    a, b = _gates(a, b, tokens, kda)
+    a, b = _gates(a, b, tokens)
     ssm = cache.temporal
-    _fold_where_needed(ssm, ring, indices, 1, kda)
+    fold_into_checkpoints(ssm, indices, ring, indices, fold_needed(ring, indices, 1), is_kda=kda)
     # the decode SGLang would run: its GDN packed kernel rounds beta to b's dtype (the others do not)
     packed = getattr(backend.kernel_dispatcher, "supports_packed_decode", False)
     o = replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
                       scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)
     advance(ring, indices, (indices >= 0).to(torch.int32))
     if forward_batch.mamba_track_mask is not None:
-        _track_decode(cache.conv[0], ssm, ring, indices, forward_batch, kda)
+        _track_decode(backend, cache, ring, indices, forward_batch, kda)
     return o
 
 
-def _track_decode(conv_states, ssm, ring, indices, forward_batch, kda: bool) -> None:
-    """extra_buffer radix strategy after a replay decode: the tracked requests' committed conv window
-    and materialised state go to their track slots, whose histories start empty."""
+def _track_decode(backend, cache, ring, indices, forward_batch, kda: bool) -> None:
+    """extra_buffer radix strategy after a replay decode: SGLang's own decode tracking (the conv window
+    and the raw checkpoint copied into the tracked requests' track slots), then the materialised state
+    written over the copied checkpoint; the track slots start without history."""
+    backend._track_mamba_state_decode(forward_batch, cache.conv[0], cache.temporal, indices)
     bs = forward_batch.batch_size
-    mask = forward_batch.mamba_track_mask[:bs] & (indices[:bs] >= 0)
-    track = torch.where(mask, forward_batch.mamba_track_indices[:bs].to(indices.dtype), -1)
     src = indices[:bs]
-    rows = torch.where(mask, track, 0).long()
-    conv_states.index_copy_(0, rows, torch.where(mask.view(-1, *[1] * (conv_states.dim() - 1)),
-                                                 conv_states[src.clamp_min(0).long()], conv_states[rows]))
-    replay_fold(ssm, src, ring, src, mask, is_kda=kda, dst=ssm, dst_indices=track)
+    mask = forward_batch.mamba_track_mask[:bs] & (src >= 0)
+    track = torch.where(mask, forward_batch.mamba_track_indices[:bs].to(src.dtype), -1)
+    replay_fold(cache.temporal, src, ring, src, mask, is_kda=kda, dst=cache.temporal, dst_indices=track)
     clear_history(ring, track, mask)
 
 
@@ -168,7 +153,8 @@ def _replay_extend(backend, pool: ModeMambaPool, layer, forward_batch) -> None:
     md = backend.forward_metadata
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
-    _fold_all(cache.temporal, ring, md.mamba_cache_indices, _is_kda(backend))
+    indices = md.mamba_cache_indices
+    fold_into_checkpoints(cache.temporal, indices, ring, indices, indices >= 0, is_kda=_is_kda(backend))
     if forward_batch.mamba_track_mask is not None:
         bs = forward_batch.batch_size
         clear_history(ring, forward_batch.mamba_track_indices[:bs], forward_batch.mamba_track_mask[:bs])
@@ -216,8 +202,7 @@ def update_mamba_state_after_mtp_verify(original, self, last_correct_step_indice
     if mamba_track_indices is not None:
         fused_conv_window_scatter_with_mask(conv_states, window, mamba_track_indices, mamba_steps_to_track)
     fused_conv_window_scatter_with_mask(conv_states, window, state_indices, last_correct_step_indices)
-    acceptance = pool.__dict__.get("state_acceptance") or pool.__dict__.setdefault("state_acceptance",
-                                                                                   StateAcceptance(pool))
-    acceptance.commit(state_indices, last_correct_step_indices, track_indices=mamba_track_indices,
-                      steps_to_track=mamba_steps_to_track, retrieve_parent_token=tree[:n] if tree is not None else None,
-                      record_indices=pool.record_rows[:n])
+    StateAcceptance(pool).commit(state_indices, last_correct_step_indices, track_indices=mamba_track_indices,
+                                 steps_to_track=mamba_steps_to_track,
+                                 retrieve_parent_token=tree[:n] if tree is not None else None,
+                                 record_indices=pool.record_rows[:n])

@@ -17,6 +17,7 @@ from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
 from ..ops.replay import ReplayRing
 from ..pool import LinearHeads, ModeMambaPool, init_mode_mamba_pool
+from ..pool.mode_pool import conv_window_dedup, conv_window_scratch
 from .hook_targets import unapplied_hooks
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,9 @@ def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | N
         ring = ReplayRing.allocate(1, cfg.replay_history, *dims, is_kda, act, "meta")
         slot += layers * sum(t.nbytes for t in ring.buffers().values())
     if cfg.speculative:
-        conv = sum(c[0] * c[1] for c in cache_params.shape.conv)  # conv_dim x (K - 1) (either order)
-        kernel_minus_1 = min(cache_params.shape.conv[0])
-        columns = cfg.draft_tokens + kernel_minus_1 - 1 if (eagle_topk or 1) <= 1 and not is_kda \
-            else cfg.draft_tokens * kernel_minus_1
-        running += layers * (conv // kernel_minus_1) * columns * conv_dtype.itemsize
+        _, scratch = conv_window_scratch([tuple(c) for c in cache_params.shape.conv], layers, 0, cfg.draft_tokens,
+                                         conv_dtype, "meta", dedup=conv_window_dedup(is_kda, eagle_topk))
+        running += sum(t.nbytes for t in scratch)
         if cfg.mode == "compact" or (cfg.mode == "replay" and (eagle_topk or 1) > 1):
             rec = CompactRecordBuffers.allocate(1, cfg.draft_tokens, *dims, is_kda, act, "meta")
             running += layers * sum(t.nbytes for t in dataclasses.astuple(rec))
@@ -88,7 +87,8 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
     dp = self.dp_size if sa.enable_dp_attention else 1
     slot, running = mode_bytes_per_request(cfg, self.mambaish_config.mamba2_cache_params, sa.speculative_eagle_topk)
     spec = not self.spec_algorithm.is_none()
-    ratio = self._calculate_mamba_ratio() if spec else 1  # SGLang's joint solve uses it only when speculating
+    slots_per_request = self._calculate_mamba_ratio()
+    ratio = slots_per_request if spec else 1  # SGLang's joint solve uses it only when speculating
     if sa.max_mamba_cache_size is not None:
         sa.max_mamba_cache_size //= dp
     elif sa.disable_radix_cache and sa.max_running_requests is not None:
@@ -106,11 +106,10 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
             f"Not enough GPU memory for the linear-attention state in --ssm-state-mode {cfg.mode}: "
             f"max_mamba_cache_size={sa.max_mamba_cache_size} ({slot / (1 << 20):.2f} MiB per slot). Reduce "
             "--max-running-requests or --ssm-replay-history, or raise --mem-fraction-static.")
-    ratio = self._calculate_mamba_ratio()
     logger.info("sglang-ssm-modes: %s: %.2f MiB per pool slot + %.2f MiB per running request when speculating; "
                 "%d pool slots (%.2f GiB) -> up to %d running requests (%d slots each with the radix cache's ratio)",
                 cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size, reserved,
-                sa.max_mamba_cache_size // ratio, ratio)
+                sa.max_mamba_cache_size // slots_per_request, slots_per_request)
     return total_rest_memory - reserved
 
 

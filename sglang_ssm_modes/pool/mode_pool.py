@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.memory_pool import (
 
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
-from ..ops.replay import ReplayRing, after_fold, replay_fold
+from ..ops.replay import ReplayRing, fold_into_checkpoints, replay_fold
 
 GB = 1 << 30
 
@@ -97,7 +97,7 @@ def conv_window_scratch(conv_shapes, layers: int, spec_state_size: int, draft_to
     return views, phys
 
 
-def _conv_window_dedup(is_kda: bool, eagle_topk: int | None) -> bool:
+def conv_window_dedup(is_kda: bool, eagle_topk: int | None) -> bool:
     """SGLang's choice of the deduplicated conv-window layout, for GDN only: its dedup view reads
     ``conv_shape`` as ``(conv_dim, K - 1)``, while KDA's is ``(K - 1, conv_dim)`` — the overlapping view
     would alias channels there (SGLang 0.5.14 never verifies KDA, so never hit it)."""
@@ -157,7 +157,7 @@ class ModeMambaPool(MambaPool):
             views, phys = conv_window_scratch(
                 [tuple(c) for c in cache_params.shape.conv], self.num_mamba_layers, spec_state_size,
                 mode_config.draft_tokens, cache_params.dtype.conv, self.device,
-                dedup=_conv_window_dedup(is_kda, eagle_topk))
+                dedup=conv_window_dedup(is_kda, eagle_topk))
             self.mamba_cache = ConvScratchState(conv=self.mamba_cache.conv, temporal=self.mamba_cache.temporal,
                                                 intermediate_conv_window=views)
             self._intermediate_conv_window_phys = phys
@@ -223,10 +223,8 @@ class ModeMambaPool(MambaPool):
         idx = _as_index(indices, self.device)
         everything = torch.ones_like(idx, dtype=torch.bool)
         for layer in range(self.num_mamba_layers):
-            ring = self.layer_ring(layer)
-            replay_fold(self.mamba_cache.temporal[layer], idx, ring, idx, everything,
-                        is_kda=self.heads.family == "kda")
-            after_fold(ring, idx, everything)
+            fold_into_checkpoints(self.mamba_cache.temporal[layer], idx, self.layer_ring(layer), idx, everything,
+                                  is_kda=self.heads.family == "kda")
 
     def canonical_states(self, indices: torch.Tensor) -> torch.Tensor:
         """``[layers, len(indices), HV, V, K]``: the committed states of ``indices`` in the state dtype
@@ -277,7 +275,7 @@ def init_mode_mamba_pool(sglang_init_mamba_pool, req_to_token_pool: HybridReqToT
     sglang_kwargs = {**kwargs, "speculative_num_draft_tokens": draft if native else None}
     if native and draft and isinstance(kwargs["cache_params"].shape, KimiLinearStateShape):
         # SGLang's MambaPool only reads topk to pick the conv-window layout; > 1 selects the dense
-        # one, the only one right for KDA's transposed conv state (see _conv_window_dedup)
+        # one, the only one right for KDA's transposed conv state (see conv_window_dedup)
         sglang_kwargs["speculative_eagle_topk"] = max(topk or 1, 2)
     sglang_init_mamba_pool(req_to_token_pool, **sglang_kwargs)
     req_to_token_pool.mamba_pool = ModeMambaPool.adopt(

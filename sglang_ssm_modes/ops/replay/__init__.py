@@ -2,8 +2,9 @@
 exact fold (also the materialise of a committed state), and the ring with its cursor. The
 plain-torch reference beside them is :mod:`sglang_ssm_modes.reference.replay`."""
 
-from .fold import replay_fold
+from .fold import fold_into_checkpoints, replay_fold
 from .ring import ReplayRing, advance, after_fold, clear_history, fold_needed
 from .verify import replay_verify
 
-__all__ = ["ReplayRing", "advance", "after_fold", "clear_history", "fold_needed", "replay_fold", "replay_verify"]
+__all__ = ["ReplayRing", "advance", "after_fold", "clear_history", "fold_into_checkpoints", "fold_needed", "replay_fold",
+           "replay_verify"]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import delta_rule_update, l2normalize
-from .ring import ReplayRing
+from .ring import ReplayRing, after_fold
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
                 lengths: torch.Tensor | None = None) -> None:
     """Fold (``dst`` None: in place into ``checkpoints``) or materialise (into ``dst`` at
     ``dst_indices``) the histories of the requests selected by ``mask`` ``[N]`` (bool). The cursor is
-    not changed: after an in-place fold call :func:`~.ring.after_fold`; a materialise leaves
+    not changed: an in-place fold is :func:`fold_into_checkpoints`; a materialise leaves
     checkpoint and history as they were. ``lengths`` ``[N]`` replays that many records instead of the
     cursor's count (records past the cursor: the window just verified)."""
     n = state_indices.shape[0]
@@ -83,3 +83,11 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
         H=ring.k_raw.shape[2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
         HAS_LENGTHS=lengths is not None,
         num_warps=1, num_stages=3)
+
+
+def fold_into_checkpoints(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
+                          record_indices: torch.Tensor, selected: torch.Tensor, *, is_kda: bool) -> None:
+    """Fold the histories of the ``selected`` ``[N]`` requests into their checkpoints in place and
+    empty them (:func:`replay_fold` then :func:`~.ring.after_fold`); device ops only."""
+    replay_fold(checkpoints, state_indices, ring, record_indices, selected, is_kda=is_kda)
+    after_fold(ring, record_indices, selected)
