@@ -1,5 +1,6 @@
-"""Replay-mode output-only decode / verify: the outputs of a window of T tokens from the checkpoint S0 and the request's history records, never materialising the state (DESIGN §2,
-"Replay algebra"), and the window's records appended after the cursor.
+"""Replay-mode output-only decode / verify: the outputs of a window of T tokens from the checkpoint S0
+and the request's history records, never materialising the state (DESIGN §2, "Replay algebra"), and
+the window's records appended after the cursor.
 
 Per value head, with ``G`` the cumulative log-decay since the checkpoint (a K-vector; GDN's scalar
 gate broadcast) and normalised ``k``, scaled ``q``::
@@ -133,9 +134,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. The caller
-    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's
-    GDN packed decode kernel does (so a replay decode, once folded, is what that kernel leaves).
-    Returns ``o`` ``[1, T_all, HV, V]``.
+    folds first where ``count + T > L`` (:func:`~.ring.fold_needed`). ``round_beta`` rounds sigmoid(b) to
+    b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a replay decode, once folded, is what
+    that kernel leaves). Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
