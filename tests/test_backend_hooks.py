@@ -218,6 +218,17 @@ def prefill(backend, layer, slots: torch.Tensor, tokens: int, inputs):
                                         mixed_qkv=mixed.clone(), a=a, b=b)
 
 
+def native_and_replay_decoders(monkeypatch, family: str, seed: int):
+    """``(pools, layer, backends, slots, gen)``: native and replay pools (no speculation, L = 8) seeded
+    with the same state, one layer, their backends, and three request slots."""
+    gen = torch.Generator().manual_seed(seed)
+    pools = {m: make_pool(m, 1, monkeypatch, family, history=8) for m in ("native", "replay")}
+    seed_pools(list(pools.values()), gen)
+    layer = make_layer(0, gen, family)
+    backends = {m: make_backend(p, family) for m, p in pools.items()}
+    return pools, layer, backends, torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV), gen
+
+
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 def test_replay_decode_and_prefill_through_the_backend(family, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
     with sglang_fla_on_cpu():
@@ -229,12 +240,7 @@ def _replay_decode_and_prefill(family, monkeypatch):
     own decode, then (GDN) a prefill chunk on top of the history: replay folds first and continues with
     SGLang's chunked kernel. Outputs agree to float32 rounding, the materialised state within 1e-5, and
     a prefill leaves no history behind."""
-    gen = torch.Generator().manual_seed(3)
-    pools = {m: make_pool(m, 1, monkeypatch, family, history=8) for m in ("native", "replay")}
-    seed_pools(list(pools.values()), gen)
-    layer = make_layer(0, gen, family)
-    backends = {m: make_backend(p, family) for m, p in pools.items()}
-    slots = torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV)
+    pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=3)
     for step in range(11):  # folds at the 9th token (L = 8)
         x = verify_inputs(slots.shape[0], 1, gen, family)
         out = {m: decode(backends[m], layer, slots, x, family) for m in pools}
@@ -271,12 +277,7 @@ def test_replay_decode_tracking_for_the_radix_cache(monkeypatch, cuda_scratch_on
     state within 1e-6 and no history."""
     family = "gdn"
     with sglang_fla_on_cpu():
-        gen = torch.Generator().manual_seed(9)
-        pools = {m: make_pool(m, 1, monkeypatch, family, history=8) for m in ("native", "replay")}
-        seed_pools(list(pools.values()), gen)
-        layer = make_layer(0, gen, family)
-        backends = {m: make_backend(p, family) for m, p in pools.items()}
-        slots = torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV)
+        pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=9)
         untracked = torch.full((3,), -1, dtype=torch.int32, device=DEV)
         tracked = torch.tensor([6, -1, 7], dtype=torch.int32, device=DEV)  # two requests tracked, one not
         rings = pools["replay"].mamba_pool.layer_ring(0)
