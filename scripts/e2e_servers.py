@@ -16,14 +16,20 @@ Requests, identical for every server:
 * teacher forcing: each prompt + native's greedy continuation + 16 more tokens, with the input
   log-probabilities of everything after the prompt. With the radix cache on, these requests hit the
   prefix cached by the first phase (copy-on-write of a state that replay must materialise);
+* serving speed: at each ``--concurrency`` level, that many streamed greedy requests at once
+  (``--speed-tokens`` each): TPOT and output throughput with ``bench_serving``'s definitions
+  (TPOT = (latency - TTFT) / (output tokens - 1), median over requests; throughput = output tokens /
+  wall time);
 * with ``--gsm8k N``: ``scripts/gsm8k_eval.py`` against the server, N questions (answers compared with
   native's).
 
 Parity per configuration against the native server of the same model and speculation: the largest
 teacher-forced log-probability difference, and greedy agreement: tokens identical up to the first
 divergence, which must sit at a near-tie of native's (top-2 gap < ``--tie-gap``) — anything else is
-reported as a bug. Writes ``OUT/e2e_h200.json`` and ``OUT/e2e_h200.md``; server logs under
-``OUT/logs``. Exits 1 when a server fails to start or a divergence is not a near-tie.
+reported as a bug. Writes ``OUT/e2e_h200.json`` (``rows``: one per configuration and concurrency, the
+fields of ``bench/results/e2e_h200.json``; ``configs``: everything measured per server) and
+``OUT/e2e_h200.md``; server logs under ``OUT/logs``. ``scripts/e2e_report.py`` merges runs into the
+committed table and plots. Exits 1 when a server fails to start or a divergence is not a near-tie.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import statistics
 import signal
 import subprocess
 import sys
@@ -46,10 +54,14 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 log = logging.getLogger("e2e")
 
 COMMON = ["--attention-backend", "triton", "--grammar-backend", "none", "--sampling-backend", "pytorch",
-          "--mem-fraction-static", "0.4", "--max-running-requests", "32", "--context-length", "2048",
+          "--mem-fraction-static", "0.4", "--context-length", "2048",
           "--max-total-tokens", "65536", "--cuda-graph-backend-prefill", "disabled", "--mamba-ssm-dtype", "float32",
           "--skip-server-warmup"]
-GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "40"]  # > --prompts: SGLang bug
+GRAPHS = ["--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "40"]  # > concurrency: SGLang bug
+MAX_CONCURRENCY = 32
+"""Requests in flight at once, at most: below the largest captured batch (``../shared/gpu/README.md``: an
+EAGLE verify batch of exactly that size crashes SGLang 0.5.14). ``--max-running-requests`` is left to
+SGLang, so each server reports the running requests its pool holds."""
 NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled"]
 SPEC = {
     "nospec": [],
@@ -65,6 +77,8 @@ VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": 
 """``fp32`` runs the whole model in float32: with bfloat16 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
+FAMILY = {"qwen3-next": "gdn", "kimi-linear": "kda", "qwen3.5": "gdn"}
+POOL_LINE = re.compile(r"sglang-ssm-modes: mamba pool allocated: mode=(\w+) slots=(\d+) bytes=(\d+)")
 
 
 def _matrix() -> dict[str, dict]:
@@ -182,6 +196,42 @@ def teacher_forced(url: str, sequences: list[list[int]], starts: list[int]) -> l
     return out
 
 
+def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed greedy request: ``{"ttft", "latency", "tokens"}`` (seconds from sending it)."""
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, ttft, tokens = time.perf_counter(), None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            tokens = chunk["meta_info"]["completion_tokens"]
+            if ttft is None and tokens:
+                ttft = time.perf_counter() - start
+    return {"ttft": ttft, "latency": time.perf_counter() - start, "tokens": tokens}
+
+
+def serving_speed(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """All ``prompts`` streamed at once: TPOT (median over requests, ms) and output throughput, as
+    SGLang's ``bench_serving`` defines them."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(lambda p: _stream_one(url, p, new_tokens), prompts))
+    wall = time.perf_counter() - start
+    tokens = sum(d["tokens"] for d in done)
+    tpots = [(d["latency"] - d["ttft"]) / (d["tokens"] - 1) for d in done if d["tokens"] > 1]
+    return {"concurrency": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 4),
+            "throughput_tok_s": round(tokens / wall, 1),
+            "tpot_ms": round(1e3 * statistics.median(tpots), 3) if tpots else None,
+            "ttft_ms": round(1e3 * statistics.median(d["ttft"] for d in done), 2)}
+
+
 def _percentiles(values: list[float], qs) -> list[float] | None:
     if not values:
         return None
@@ -230,6 +280,12 @@ def run_gsm8k(url: str, name: str, args) -> dict:
             "answers": [q["pred"] for q in server["questions"]], "responses": [q["response"] for q in server["questions"]]}
 
 
+SERVER_INFO = ("max_total_num_tokens", "max_running_requests", "max_mamba_cache_size", "ssm_mode_config", "tp_size",
+               "dp_size", "speculative_eagle_topk", "speculative_num_draft_tokens",
+               "speculative_ngram_max_bfs_breadth", "mamba_ssm_dtype", "version")
+"""What each row keeps of the server's ``/server_info`` (its arguments and what it sized at startup)."""
+
+
 def reference_key(cfg: dict) -> tuple:
     """Which native server a configuration is judged against: same model, speculation and dtypes."""
     return cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"]
@@ -258,12 +314,16 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
         row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                         "accept_length": round(tokens / sum(verify), 3) if verify else None}
+        row["serving"] = [serving_speed(server.url, make_prompts(c, args.prompt_len, vocab, seed=100 + c),
+                                        args.speed_tokens) for c in args.concurrency]
         if args.gsm8k:
             row["gsm8k"] = run_gsm8k(server.url, name, args)
         info = json.loads(_get(server.url + "/server_info", timeout=30))
-        row["server"] = {k: info.get(k) for k in ("max_total_num_tokens", "max_running_requests",
-                                                  "max_mamba_cache_size", "ssm_mode_config") if k in info}
-        row["log_lines"] = [line for line in server.tail(100000).splitlines()
+        row["server"] = {k: info.get(k) for k in SERVER_INFO if k in info}
+        log_text = server.tail(100000)
+        pool = POOL_LINE.findall(log_text)
+        row["mamba_pool"] = {"slots": int(pool[-1][1]), "bytes": int(pool[-1][2])} if pool else None
+        row["log_lines"] = [line for line in log_text.splitlines()
                             if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
     except Exception as e:  # reported in the row; the run goes on with the next server
         row["error"] = f"{type(e).__name__}: {e}"[-3000:]
@@ -284,6 +344,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                   help=f"serving-speed levels: requests in flight at once (1..{MAX_CONCURRENCY})")
+    p.add_argument("--speed-tokens", type=int, default=128, help="output tokens per serving-speed request")
     p.add_argument("--tie-gap", type=float, default=0.05)
     p.add_argument("--start-timeout", type=float, default=400)
     p.add_argument("--port", type=int, default=30000)
@@ -296,14 +359,17 @@ def main(argv=None) -> int:
     unknown = [c for c in args.configs if c not in MATRIX]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; --list prints the {len(MATRIX)} names")
-    if min(args.prompts, args.prompt_len, args.new_tokens) < 1 or args.prompts > 32:
-        p.error("--prompts (1..32, the server's --max-running-requests), --prompt-len and --new-tokens must be >= 1")
+    if min(args.prompts, args.prompt_len, args.new_tokens) < 1 or args.prompts > MAX_CONCURRENCY:
+        p.error(f"--prompts (1..{MAX_CONCURRENCY}), --prompt-len and --new-tokens must be >= 1")
+    if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency) or args.speed_tokens < 2:
+        p.error(f"--concurrency levels must lie in 1..{MAX_CONCURRENCY} (below the largest captured CUDA-graph "
+                "batch) and --speed-tokens must be >= 2 (TPOT needs two tokens)")
     if not 0 <= args.gsm8k <= 1300:
         p.error("--gsm8k takes 0 (off) to 1300 questions")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     # natives first: every other configuration is judged against the native server of its model and spec
     order = sorted(args.configs, key=lambda c: MATRIX[c]["mode"] != "native")
-    rows, native = [], {}  # reference key -> the native row
+    configs, native = [], {}  # reference key -> the native configuration
     for i, name in enumerate(order):
         cfg = MATRIX[name]
         key = reference_key(cfg)
@@ -314,21 +380,72 @@ def main(argv=None) -> int:
             native[key] = row
         if cfg["mode"] != "native" and key in native and "gen" in row:
             row["parity"] = parity(native[key], row, args.tie_gap)
-        rows.append(row)
-        _write(args.out, rows)
-    failed = [r["name"] for r in rows if not r["started"] or "error" in r
+        configs.append(row)
+        _write(args.out, configs)
+    failed = [r["name"] for r in configs if not r["started"] or "error" in r
               or r.get("parity", {}).get("unexplained_divergences", 0)]
-    log.info("done: %d configurations, failed: %s", len(rows), failed or "none")
+    log.info("done: %d configurations, failed: %s", len(configs), failed or "none")
     return 1 if failed else 0
 
 
-def _write(out: Path, rows: list[dict]) -> None:
-    slim = [{k: v for k, v in r.items() if k not in ("gen", "tf")} for r in rows]
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+SPEC_NAME = {"nospec": "none", "nextn": "nextn", "ngram": "ngram", "ngramtree": "ngram"}
+
+
+def table_rows(configs: list[dict]) -> list[dict]:
+    """The committed schema (issue #7): one row per configuration that served and per concurrency."""
+    rows = []
+    for c in configs:
+        if "serving" not in c:
+            continue
+        info, par = c.get("server") or {}, c.get("parity")
+        spec = SPEC_NAME[c["spec"]]
+        native = c["mode"] == "native"
+        if native:
+            diff, agreement, equal = 0.0, 1.0, True
+        elif par:
+            diff = max(par["max_logprob_diff_teacher_forced"], par["max_logprob_diff_generated"])
+            agreement, equal = par["greedy_agreement"], par["greedy_agreement"] == 1.0
+        else:  # no native server of the same model and speculation in this run
+            diff = agreement = equal = None
+        topk = None if spec == "none" else (info.get("speculative_ngram_max_bfs_breadth") if spec == "ngram"
+                                             else info.get("speculative_eagle_topk"))
+        for s in c["serving"]:
+            rows.append({
+                "config": c["name"], "model": c["model"], "family": FAMILY[c["model"]], "mode": c["mode"],
+                "history": c["history"], "spec": spec, "topk": topk,
+                "draft_tokens": 1 if spec == "none" else info.get("speculative_num_draft_tokens"),
+                "cuda_graph": "nograph" not in c["variants"], "radix_cache": "noradix" not in c["variants"],
+                "state_dtype": "bfloat16" if "bf16" in c["variants"] else "float32",
+                "activation_dtype": "float32" if "fp32" in c["variants"] else "bfloat16",
+                "tp": info.get("tp_size", 1), "dp": info.get("dp_size", 1), "concurrency": s["concurrency"],
+                "max_abs_logprob_diff": diff, "token_agreement": agreement, "tokens_equal_native": equal,
+                "unexplained_divergences": 0 if native else (par or {}).get("unexplained_divergences"),
+                "tpot_ms": s["tpot_ms"], "throughput_tok_s": s["throughput_tok_s"],
+                "accept_length": c["speed"]["accept_length"],
+                "max_running_requests": info.get("max_running_requests"),
+                "mamba_pool_slots": (c.get("mamba_pool") or {}).get("slots"),
+                "mamba_pool_bytes": (c.get("mamba_pool") or {}).get("bytes")})
+    return rows
+
+
+def _write(out: Path, configs: list[dict]) -> None:
+    slim = [{k: v for k, v in r.items() if k not in ("gen", "tf")} for r in configs]
     for r in slim:
         if "gsm8k" in r:
             r["gsm8k"] = {k: v for k, v in r["gsm8k"].items() if k != "responses"}
-    meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F")}
-    (out / "e2e_h200.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=1))
+    meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F"),
+            "sglang_version": next((r["server"]["version"] for r in slim if (r.get("server") or {}).get("version")),
+                                   None) or _installed("sglang")}
+    (out / "e2e_h200.json").write_text(json.dumps({**meta, "rows": table_rows(configs), "configs": slim}, indent=1))
     lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "
              "unexplained div. | error |", "|" + "---|" * 10]
     for r in slim:

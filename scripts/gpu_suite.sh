@@ -7,7 +7,10 @@
 #         | e2e (real SGLang servers, scripts/e2e_servers.py; configurations etc. in $E2E_ARGS)
 #
 # Unpacks the SGLang 0.5.14 site archive (.gpu/site312.tar.xz, built by ../shared/gpu/build_site.sh),
-# runs the selected parts and writes their logs and results under $OUT (default ./out).
+# runs the selected parts and writes their logs and results under $OUT (default ./out). Folders under
+# $OUT (server logs, GSM8K answers) come back packed as $OUT/folders.tar.xz (the device returns 8 files).
+# Triton's cache: unpacked from .gpu/triton-cache.tar.xz when carried, and with SAVE_TRITON_CACHE=1 packed
+# to $OUT/triton-cache.tar.xz at the end (copy it into .gpu/ for the next run: cold servers start faster).
 set -euo pipefail
 OUT=${OUT:-$PWD/out}
 PARTS=("${@:-tests}")
@@ -19,6 +22,9 @@ for part in "${PARTS[@]}"; do
 done
 mkdir -p "$OUT"
 [ -f .gpu/site312.tar.xz ] || { echo "missing .gpu/site312.tar.xz: build it with ../shared/gpu/build_site.sh and carry .gpu" >&2; exit 2; }
+export TRITON_CACHE_DIR=/tmp/sglang-ssm-modes-triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .gpu/triton-cache.tar.xz ] && tar -xJf .gpu/triton-cache.tar.xz -C "$TRITON_CACHE_DIR"
 SITE=$(mktemp -d)
 tar -xJf .gpu/site312.tar.xz -C "$SITE"
 export PYTHONPATH="$PWD:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -59,4 +65,12 @@ for part in "${PARTS[@]}"; do
         e2e) python3 scripts/e2e_servers.py --out "$OUT" ${E2E_ARGS:-} || status=1 ;;
     esac
 done
+folders=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
+if [ -n "$folders" ]; then
+    (cd "$OUT" && tar -cJf folders.tar.xz $folders && rm -rf $folders)
+fi
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then
+    tar -cJf "$OUT/triton-cache.tar.xz" -C "$TRITON_CACHE_DIR" .
+    ls -l "$OUT/triton-cache.tar.xz"
+fi
 exit "$status"

@@ -1,5 +1,5 @@
 """A stand-in for ``sglang.launch_server`` speaking the few endpoints scripts/e2e_servers.py uses
-(``/health``, ``/generate``, ``/server_info``, and for scripts/gsm8k_eval.py ``/v1/models``,
+(``/health``, ``/generate`` (also streamed), ``/server_info``, and for scripts/gsm8k_eval.py ``/v1/models``,
 ``/flush_cache``, ``/v1/completions``), so the scripts' own logic runs in the CPU tests.
 
     python fake_sglang_server.py PORT BEHAVIOUR
@@ -39,7 +39,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if "server_info" in self.path:
-            self._send({"max_total_num_tokens": 65536, "max_running_requests": 32})
+            self._send({"max_total_num_tokens": 65536, "max_running_requests": 32, "tp_size": 1, "dp_size": 1,
+                        "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "version": "0.5.14"})
         elif self.path.startswith("/v1/models"):
             self._send({"object": "list", "data": [{"id": "fake", "object": "model"}]})
         else:  # /health, /flush_cache
@@ -52,6 +53,14 @@ class Handler(BaseHTTPRequestHandler):
             self._send({"id": "x", "object": "text_completion", "created": 0, "model": "fake",
                         "choices": [{"index": 0, "text": f" So the answer is {answer}.", "finish_reason": "stop"}],
                         "usage": {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}})
+            return
+        if req.get("stream"):  # server-sent events, one per token, as SGLang streams them
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for n in range(1, req["sampling_params"]["max_new_tokens"] + 1):
+                self.wfile.write(b"data: " + json.dumps({"meta_info": {"completion_tokens": n}}).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
             return
         ids, start = list(req["input_ids"]), req.get("logprob_start_len", 0)
         input_lp = [[None, ids[0], None]] + [[logprob(ids[:i], ids[i]), ids[i], None] for i in range(1, len(ids))]
@@ -73,4 +82,6 @@ class Handler(BaseHTTPRequestHandler):
 
 if BEHAVIOUR == "crash":
     sys.exit(3)
+print(f"sglang-ssm-modes: mamba pool allocated: mode={BEHAVIOUR} slots=100 bytes={1000 + PORT}", flush=True)
+ThreadingHTTPServer.request_queue_size = 64  # the serving-speed phase connects 32 clients at once
 ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

@@ -41,7 +41,8 @@ def test_parity_and_reports(fake_servers):
     rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs, "--prompts", "3", "--new-tokens", "12",
                            "--port", "31900", "--start-timeout", "60"])
     assert rc == 0
-    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
+    report = json.loads((out / "e2e_h200.json").read_text())
+    rows = {r["name"]: r for r in report["configs"]}
     assert list(rows)[:2] == ["qwen3-next-native-nextn", "qwen3-next-native-nextn-bf16"], "natives run first"
     compact = rows["qwen3-next-compact-nextn"]["parity"]
     assert compact["greedy_agreement"] == 1.0 and compact["max_logprob_diff_teacher_forced"] == 0.0
@@ -53,6 +54,17 @@ def test_parity_and_reports(fake_servers):
     assert tie["unexplained_divergences"] == 0
     assert rows["qwen3-next-compact-nextn"]["speed"]["accept_length"] == pytest.approx(3.0)
     assert "qwen3-next-compact-nextn" in (out / "e2e_h200.md").read_text()
+    # the committed schema: one row per configuration and concurrency level
+    table = {(r["config"], r["concurrency"]): r for r in report["rows"]}
+    assert report["sglang_version"] == "0.5.14" and len(table) == 3 * len(configs)
+    native, replay = table["qwen3-next-native-nextn", 8], table["qwen3-next-replay-L16-nextn", 32]
+    assert native["tokens_equal_native"] and native["max_abs_logprob_diff"] == 0.0 and native["family"] == "gdn"
+    assert replay["spec"] == "nextn" and replay["history"] == 16 and replay["draft_tokens"] == 4
+    assert replay["tokens_equal_native"] and 0 < replay["max_abs_logprob_diff"] < 1e-5
+    assert table["qwen3-next-compact-nextn-bf16", 1]["state_dtype"] == "bfloat16"
+    assert not table["qwen3-next-compact-nextn-bf16", 1]["tokens_equal_native"]
+    assert replay["tpot_ms"] > 0 and replay["throughput_tok_s"] > 0 and replay["mamba_pool_slots"] == 100
+    assert {r["mamba_pool_bytes"] for r in report["rows"]} == {1000 + 31900 + i for i in range(len(configs))}
 
 
 def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
@@ -61,7 +73,7 @@ def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
                            "kimi-linear-replay-L16-ngram-noradix", "--prompts", "2", "--new-tokens", "8",
                            "--port", "31950", "--start-timeout", "60", "--gsm8k", "3"])
     assert rc == 1
-    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["rows"]}
+    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["configs"]}
     assert rows["kimi-linear-compact-ngram-nograph"]["parity"]["unexplained_divergences"] == 2
     # the GSM8K script ran against each live server; the "wrong" server answers differently from native
     gsm = rows["kimi-linear-compact-ngram-nograph"]
@@ -72,7 +84,8 @@ def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
 
 
 def test_arguments_are_validated():
-    for argv, message in ((["--configs", "nope"], "unknown configuration"), (["--prompts", "0"], "--prompts")):
+    for argv, message in ((["--configs", "nope"], "unknown configuration"), (["--prompts", "0"], "--prompts"),
+                          (["--concurrency", "1", "64"], "--concurrency")):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "e2e_servers.py"), *argv], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr

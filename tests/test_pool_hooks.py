@@ -11,7 +11,6 @@ from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVC
 
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import pool_hooks
-from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 from sglang_ssm_modes.sizing import LinearAttnShape, request_bytes
 from test_mode_pool import (HV, KD, LAYERS, VD, _expected_fold, _fill_history, cuda_scratch_on_cpu,  # noqa: F401
                             gdn_params, kda_params, make_pool)
@@ -22,12 +21,15 @@ GB = 1 << 30
 @pytest.mark.parametrize("params", [gdn_params, kda_params], ids=["gdn", "kda"])
 @pytest.mark.parametrize("mode,draft,topk", [("compact", 4, 1), ("replay", 4, 1), ("replay", 1, 1),
                                              ("replay", 4, 3), ("compact", 3, 2)])
-def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkeypatch,
+def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkeypatch, caplog,
                                                cuda_scratch_on_cpu):  # noqa: F811
     cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=8)
     original = HybridReqToTokenPool._init_mamba_pool
+    monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: cfg)
+    monkeypatch.setattr(pool_hooks, "unapplied_hooks", lambda: [])
     monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
-                        lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
+                        lambda self, **kw: pool_hooks.init_mamba_pool(original, self, **kw))
+    caplog.set_level("INFO", logger=pool_hooks.logger.name)
     size, spec_size = 9, 5
     pool = HybridReqToTokenPool(
         size=spec_size, mamba_size=size, mamba_spec_state_size=spec_size, max_context_len=16, device="cpu",
@@ -37,6 +39,8 @@ def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkey
     slot, running = pool_hooks.mode_bytes_per_request(cfg, params(), topk)
     assert pool.mem_usage * GB == pytest.approx(slot * (size + 1) + running * (spec_size + 1), rel=1e-12)
     assert (running > 0) == (draft > 1)
+    # the line scripts/e2e_servers.py reads the allocated pool from
+    assert f"mamba pool allocated: mode={mode} slots={size} bytes={round(pool.mem_usage * GB)}" in caplog.text
     # the sizing model (`python -m sglang_ssm_modes memory`) charges the same bytes
     family = pool.heads.family
     shape = LinearAttnShape(family=family, num_linear_layers=len(params().layers), num_v_heads=pool.heads.num_v_heads,

@@ -49,6 +49,9 @@ def init_mamba_pool(original, self, **kwargs):
     if draft != cfg.draft_tokens:  # the pool's verify width is SGLang's final one
         cfg = dataclasses.replace(cfg, draft_tokens=draft)
     init_mode_mamba_pool(original, self, cfg, **kwargs)
+    pool = self.mamba_pool
+    logger.info("sglang-ssm-modes: mamba pool allocated: mode=%s slots=%d bytes=%d", cfg.mode, pool.size,
+                round(pool.mem_usage * GB))
 
 
 def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | None) -> tuple[int, int]:
