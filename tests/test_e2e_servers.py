@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import e2e_report  # noqa: E402
 import e2e_servers  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_sglang_server.py")
@@ -65,6 +66,18 @@ def test_parity_and_reports(fake_servers):
     assert not table["qwen3-next-compact-nextn-bf16", 1]["tokens_equal_native"]
     assert replay["tpot_ms"] > 0 and replay["throughput_tok_s"] > 0 and replay["mamba_pool_slots"] == 100
     assert {r["mamba_pool_bytes"] for r in report["rows"]} == {1000 + 31900 + i for i in range(len(configs))}
+    # two runs merged into the committed report: the later run's rows win, the core matrix gaps are named
+    later = {**report, "commit": "later", "rows": [{**r, "tpot_ms": 99.0} for r in report["rows"]
+                                                   if r["config"] == "qwen3-next-replay-L16-nextn"]}
+    (out / "later.json").write_text(json.dumps(later))
+    assert e2e_report.main([str(out / "e2e_h200.json"), str(out / "later.json"), "--out", str(out / "merged")]) == 0
+    merged = json.loads((out / "merged" / "e2e_h200.json").read_text())
+    assert merged["commit"] == "later" and len(merged["rows"]) == len(report["rows"])
+    assert {r["tpot_ms"] for r in merged["rows"] if r["config"] == "qwen3-next-replay-L16-nextn"} == {99.0}
+    assert "qwen3-next-native-nospec" in merged["core_missing"] and "qwen3-next-native-nextn" not in merged["core_missing"]
+    assert merged["rows"][0]["config"] == "qwen3-next-native-nextn"  # core matrix first
+    assert "| qwen3-next-replay-L16-nextn | 32 |" in (out / "merged" / "e2e_h200.md").read_text()
+    assert (out / "merged" / "e2e_h200.png").stat().st_size > 10_000
 
 
 def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
