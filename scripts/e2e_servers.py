@@ -196,9 +196,10 @@ def teacher_forced(url: str, sequences: list[list[int]], starts: list[int]) -> l
     return out
 
 
-def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed greedy request: ``{"ttft", "latency", "tokens"}`` (seconds from sending it)."""
-    body = {"input_ids": prompt, "stream": True,
+def _stream_one(url: str, prompt: list[int] | str, new_tokens: int) -> dict:
+    """One streamed greedy request (token ids or text): ``{"ttft", "latency", "tokens"}`` (seconds from
+    sending it)."""
+    body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -217,7 +218,7 @@ def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict:
     return {"ttft": ttft, "latency": time.perf_counter() - start, "tokens": tokens}
 
 
-def serving_speed(url: str, prompts: list[list[int]], new_tokens: int) -> dict:
+def serving_speed(url: str, prompts: list[list[int]] | list[str], new_tokens: int) -> dict:
     """All ``prompts`` streamed at once: TPOT (median over requests, ms) and output throughput, as
     SGLang's ``bench_serving`` defines them."""
     start = time.perf_counter()
