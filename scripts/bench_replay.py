@@ -67,10 +67,15 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
-    def replay_step(r):
-        fold_into_checkpoints(pool, groups[r], ring, groups[r], fold_needed(ring, groups[r], d), is_kda=is_kda)
+    def replay_step_fused(r):  # as served: the fold inside the verify launch, the cursor settled after
         replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
                       groups[r], is_kda=is_kda, round_beta=round_beta)
+        advance(ring, groups[r], accepted, window=d)
+
+    def replay_step_separate(r):  # the fold kernel first (masked to the requests that need it)
+        fold_into_checkpoints(pool, groups[r], ring, groups[r], fold_needed(ring, groups[r], d), is_kda=is_kda)
+        replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
+                      groups[r], is_kda=is_kda, round_beta=round_beta, fused_fold=False)
         advance(ring, groups[r], accepted)
 
     mean_hist = (history - d + 1) / 2
@@ -111,13 +116,17 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
                   batch * (1 + d + 2) * state_bytes, "verify(intermediate states)+fused_mamba_state_scatter_with_mask")
     op, impl, fn, nbytes, path = native
     native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
-    for impl_, fn_, nbytes_, path_, per_req in (
-            (impl, fn, nbytes, path, native_per_req),
-            ("ours-replay", replay_step, replay_bytes, f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
-             state_bytes + 2 * history * rec + 8)):
+    replay_per_req = state_bytes + 2 * history * rec + 8
+    for impl_, fold, fn_, nbytes_, path_, per_req in (
+            (impl, None, fn, nbytes, path, native_per_req),
+            ("ours-replay", "fused", replay_step_fused, replay_bytes,
+             f"replay_verify(fused fold, round_beta={round_beta})+advance(window={d})", replay_per_req),
+            ("ours-replay", "separate", replay_step_separate, replay_bytes,
+             f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
+             replay_per_req)):
         us = time_graph(fn_, rounds)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
-                         history=history if impl_ == "ours-replay" else None, median_us=round(us, 2),
+                         history=history if impl_ == "ours-replay" else None, fold=fold, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path=path_))
     del pool, ring
@@ -135,18 +144,20 @@ def write_report(result, out_dir):
     lines = [f"# Replay vs native — {result['gpu']}, {result['date']}, commit {result['commit']}", "",
              f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / replay µs (same run). "
              "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
-             "| family | state | D | L | batch | native µs | replay µs | speedup | native frac bw | replay frac bw |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"])):
+             "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
+             "(`separate`).", "",
+             "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"], r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
-                     f"{n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
+                     f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
                      f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} |")
     with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}
     for r in rows:
-        if r["impl"] == "ours-replay":
+        if r["impl"] == "ours-replay" and r["fold"] == "fused":
             label = f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
             points.setdefault(r["family"], {}).setdefault(label, []).append(
                 (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))

@@ -184,8 +184,12 @@ def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype
         assert torch.equal(replay.mamba_cache.temporal, native.mamba_cache.temporal)
     else:
         assert int(replay.replay_rings.phase.sum()) > 0, "replay folded"
+        # bfloat16: native rounds the state every token, replay once per fold: they differ by a few
+        # bf16 roundings at the state's scale (on the H200: at most 0.0049 with states up to ~1)
+        scale = native.mamba_cache.temporal.float().abs().max().item()
         torch.testing.assert_close(replay.mamba_cache.temporal.float(), native.mamba_cache.temporal.float(),
-                                   rtol=1e-5 if state_dtype == torch.float32 else 2e-2, atol=1e-5)
+                                   rtol=1e-5 if state_dtype == torch.float32 else 2e-2,
+                                   atol=1e-5 if state_dtype == torch.float32 else 2e-2 * scale)
     assert torch.equal(replay.mamba_cache.conv[0], native.mamba_cache.conv[0])
 
 

@@ -80,10 +80,12 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape):
     assert (ring.count[0] == 0).item() and (ring.u[0] == 0).all(), "record slot 0 is nobody's"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-fold", "fused-fold"])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
-def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv):
-    """Replay decode (one record per token, folding every L tokens) leaves, once folded, the state
-    SGLang's decode kernel leaves after the same tokens: bit for bit with a float32 state."""
+def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, fused):
+    """Replay decode (one record per token, folding every L tokens, in the decode launch or before
+    it) leaves, once folded, the state SGLang's decode kernel leaves after the same tokens: bit for
+    bit with a float32 state."""
     n, L, tokens, kdim, vdim = 3, 4, 9, 16, 32
     params, _, pool, state_idx = make_case(family, n, tokens, hk, hv, kdim, vdim, torch.float32, seed=43)
     state_idx = torch.tensor([2, 0, 5])
@@ -102,16 +104,51 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv):
             softplus_threshold=20.0, initial_state_source=native, initial_state_indices=state_idx.to(DEVICE),
             use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
             is_kda=family == "kda", **inp)
-        need = fold_needed(ring, rec_idx, 1)
-        replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
-        after_fold(ring, rec_idx, need)
+        if not fused:
+            need = fold_needed(ring, rec_idx, 1)
+            replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
+            after_fold(ring, rec_idx, need)
         _call_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
-        advance(ring, rec_idx, ones)
+        advance(ring, rec_idx, ones, window=1 if fused else 0)
     all_ = torch.ones(n, dtype=torch.bool, device=DEVICE)
     replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, all_, is_kda=family == "kda")
     after_fold(ring, rec_idx, all_)
     assert torch.equal(ours, native)
     assert (ring.count == 0).all() and torch.equal(ring.phase, torch.full_like(ring.phase, (tokens // L + 1) % 2))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,hk,hv,d,L", [("gdn", 2, 4, 3, 8), ("kda", 2, 2, 2, 4), ("gdn", 1, 1, 1, 4)])
+def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
+    """The verify kernel's fused fold + ``advance(window=T)`` against the separate fold kernel +
+    cursor update + verify, on the same inputs round after round (accepted 0..D, padding rows,
+    requests folding at different rounds): outputs, checkpoints, every ring buffer and the cursors
+    bit for bit."""
+    n, kdim, vdim = 5, 16, 32
+    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=48 + d)
+    gen = torch.Generator().manual_seed(49)
+    pools = [pool.to(DEVICE), pool.to(DEVICE).clone()]
+    rings = [ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+             for _ in range(2)]
+    rec_idx = torch.tensor([3, 1, 6, 0, 4], dtype=torch.int32, device=DEVICE)
+    real = (state_idx >= 0).to(DEVICE)
+    folds = 0
+    for _ in range(3 * L):
+        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+        accepted = torch.randint(0, d + 1, (n,), generator=gen).to(DEVICE).to(torch.int32) * real
+        need = fold_needed(rings[0], rec_idx, d) & real
+        folds += int(need.sum())
+        replay_fold(pools[0], state_idx.to(DEVICE), rings[0], rec_idx, need, is_kda=family == "kda")
+        after_fold(rings[0], rec_idx, need)
+        o_sep = _call_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx)
+        advance(rings[0], rec_idx, accepted)
+        o_fused = _call_verify(params, x, family, n, d, pools[1], state_idx, rings[1], rec_idx)
+        advance(rings[1], rec_idx, accepted, window=d)
+        assert torch.equal(o_sep[0].reshape(n, d, hv, vdim)[real], o_fused[0].reshape(n, d, hv, vdim)[real])
+        assert torch.equal(pools[0], pools[1])
+        for name, t in rings[0].buffers().items():
+            assert torch.equal(t, rings[1].buffers()[name]), name
+    assert folds >= 2  # requests folded at different rounds
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
@@ -163,9 +200,9 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 @pytest.mark.parametrize("L,d", [(16, 1), (16, 4), (64, 4)])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
-    """Qwen3-Next / Kimi-Linear head shapes: 2·L/d rounds (several folds) of verify + accept; outputs
-    within bf16 output rounding of the float64 truth, materialised state within 1e-5 (float32) or
-    bf16 rounding (bfloat16) of it."""
+    """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
+    of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
+    within 1e-5 (float32) or bf16 rounding (bfloat16) of it."""
     n, kdim, vdim = 9, 128, 128
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)
     gen = torch.Generator().manual_seed(47)
@@ -175,16 +212,13 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
     real = state_idx >= 0
     truth = pool[state_idx.clamp_min(0)].double().cpu()
     for _ in range(3 * L // d):
-        need = fold_needed(ring, rec_idx, d)
-        replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
-        after_fold(ring, rec_idx, need)
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
         o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)
         accepted = torch.randint(1, d + 1, (n,), generator=gen) * real
-        advance(ring, rec_idx, accepted.to(DEVICE).to(torch.int32))
+        advance(ring, rec_idx, accepted.to(DEVICE).to(torch.int32), window=d)
         for i in range(n):
             if accepted[i] > 0:
                 row = LinearAttnInputs(*(t[i:i + 1, :int(accepted[i])] for t in (x.q, x.k, x.v, x.a, x.b)))

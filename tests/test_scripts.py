@@ -85,13 +85,16 @@ def test_bench_replay_refuses_to_run_without_a_gpu():
 def test_bench_replay_report_from_rows(tmp_path):
     base = dict(family="kda", state_dtype="float32", batch=128, draft_tokens=1, bytes_min=1, bytes_per_request=1,
                 path="p")
-    rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, median_us=140.0, frac_copy_bw=0.9),
-            dict(base, op="decode", impl="ours-replay", history=16, median_us=100.0, frac_copy_bw=0.7),
-            dict(base, op="decode", impl="ours-replay", history=32, median_us=112.0, frac_copy_bw=0.7)]
+    rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, fold=None, median_us=140.0,
+                 frac_copy_bw=0.9),
+            dict(base, op="decode", impl="ours-replay", history=16, fold="fused", median_us=100.0, frac_copy_bw=0.7),
+            dict(base, op="decode", impl="ours-replay", history=16, fold="separate", median_us=175.0, frac_copy_bw=0.4),
+            dict(base, op="decode", impl="ours-replay", history=32, fold="fused", median_us=112.0, frac_copy_bw=0.7)]
     bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
-    assert "| kda | float32 | 1 | 16 | 128 | 140.0 | 100.0 | 1.40× |" in table
-    assert "| kda | float32 | 1 | 32 | 128 | 140.0 | 112.0 | 1.25× |" in table
+    assert "| kda | float32 | 1 | 16 | 128 | fused | 140.0 | 100.0 | 1.40× |" in table
+    assert "| kda | float32 | 1 | 16 | 128 | separate | 140.0 | 175.0 | 0.80× |" in table
+    assert "| kda | float32 | 1 | 32 | 128 | fused | 140.0 | 112.0 | 1.25× |" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
 
 

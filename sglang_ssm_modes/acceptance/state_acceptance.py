@@ -10,8 +10,8 @@ with the base token counted; -1 = nothing), plus the radix cache's tracked snaps
 * native: SGLang's copies of stored per-step states (``fused_mamba_state_scatter_with_mask``);
 * compact: re-run of the accepted prefix from the records, one state write, bit-identical to native;
   tracked snapshots are written from the same records into their slots *before* the commit;
-* replay: the cursor moves (``count += n``); tracked snapshots are materialised from checkpoint +
-  records into their slots.
+* replay: the cursor moves (``count += n``, after settling the folds the verify kernel fused in);
+  tracked snapshots are materialised from checkpoint + records into their slots.
 
 Each model (target, draft) has its own pool and so its own ``StateAcceptance``: their commit records
 never mix. Only device ops: no host synchronisation. The conv window's commit is SGLang's for native;
@@ -72,13 +72,17 @@ class StateAcceptance:
                     raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
                                      "verify (EAGLE topk > 1) commits through compact's path")
                 ring = self.pool.layer_ring(layer)
-                if track_indices is not None:
-                    slots = state_indices.clamp_min(0).long()
-                    lengths = ring.count[slots] + steps_to_track.to(ring.count.dtype) + 1
-                    tracked = (steps_to_track >= 0) & (track_indices >= 0)
-                    replay_fold(temporal[layer], state_indices, ring, state_indices, tracked, is_kda=self.is_kda,
-                                dst=temporal[layer], dst_indices=track_indices, lengths=lengths)
-                    clear_history(ring, track_indices, tracked)
+                window = self.pool.mode_config.draft_tokens
+                if track_indices is None:  # the verify's fused folds settle with the accepted lengths
+                    advance(ring, state_indices, (last_index + 1).to(torch.int32), window=window)
+                    continue
+                advance(ring, state_indices, 0, window=window)  # settle the folds: the cursor the snapshots read
+                slots = state_indices.clamp_min(0).long()
+                lengths = ring.count[slots] + steps_to_track.to(ring.count.dtype) + 1
+                tracked = (steps_to_track >= 0) & (track_indices >= 0)
+                replay_fold(temporal[layer], state_indices, ring, state_indices, tracked, is_kda=self.is_kda,
+                            dst=temporal[layer], dst_indices=track_indices, lengths=lengths)
+                clear_history(ring, track_indices, tracked)
                 advance(ring, state_indices, (last_index + 1).to(torch.int32))
 
 

@@ -30,7 +30,7 @@ import torch
 from ..acceptance import StateAcceptance
 from ..ops.compact import compact_verify
 from ..ops.native import native_verify
-from ..ops.replay import advance, clear_history, fold_into_checkpoints, fold_needed, replay_fold, replay_verify
+from ..ops.replay import advance, clear_history, fold_into_checkpoints, replay_fold, replay_verify
 from ..pool import ModeMambaPool
 
 
@@ -99,7 +99,10 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
     if pool.mode == "replay":
         ring = pool.layer_ring(local)
         if pool.verify_path == "replay":
-            fold_into_checkpoints(ssm, indices, ring, indices, fold_needed(ring, indices, draft), is_kda=kda)
+            if draft != pool.mode_config.draft_tokens:  # the window StateAcceptance settles folds with
+                raise RuntimeError(f"replay verify of {draft} draft tokens on a pool built for "
+                                   f"{pool.mode_config.draft_tokens}")
+            # folds where the window would overflow, in the same launch; StateAcceptance settles the cursor
             return replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, **common)
         fold_into_checkpoints(ssm, indices, ring, indices, indices >= 0, is_kda=kda)  # tree: compact's path
     return compact_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, pool.layer_records(local), rows,
@@ -120,12 +123,11 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     q, k, v = _split_heads(layer, x)
     a, b = _gates(a, b, tokens)
     ssm = cache.temporal
-    fold_into_checkpoints(ssm, indices, ring, indices, fold_needed(ring, indices, 1), is_kda=kda)
     # the decode SGLang would run: its GDN packed kernel rounds beta to b's dtype (the others do not)
     packed = getattr(backend.kernel_dispatcher, "supports_packed_decode", False)
     o = replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
-                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)
-    advance(ring, indices, (indices >= 0).to(torch.int32))
+                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)  # fused fold where full
+    advance(ring, indices, 1, window=1)
     if forward_batch.mamba_track_mask is not None:
         _track_decode(backend, cache, ring, indices, forward_batch, kda)
     return o

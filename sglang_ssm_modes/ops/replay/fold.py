@@ -19,6 +19,25 @@ from .ring import ReplayRing, after_fold
 
 
 @triton.jit
+def replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """The native recurrence over ring records ``rec0 .. rec0 + n_rec`` (raw k re-normalised, raw v,
+    stored g and beta) on one float32 ``[BK, BV]`` state tile; returns the advanced tile (the fold's
+    body, shared by :func:`replay_fold_kernel` and the verify kernel's fused fold)."""
+    for j in range(0, n_rec):
+        pos = rec0 + j
+        b_k = l2normalize(tl.load(r_kraw + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
+        b_v = tl.load(r_vraw + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_beta = tl.load(r_beta + pos * HV + i_hv)
+        if IS_KDA:
+            b_g = tl.load(r_g + (pos * HV + i_hv) * K + o_k, mask=mask_k, other=0)
+        else:
+            b_g = tl.load(r_g + pos * HV + i_hv)
+        b_h = delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
+    return b_h
+
+
+@triton.jit
 def replay_fold_kernel(
     src, src_indices, dst, dst_indices, mask,
     r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, lengths,
@@ -50,16 +69,8 @@ def replay_fold_kernel(
             n_rec = tl.load(lengths + i_n)
         else:
             n_rec = tl.load(r_count + r)
-        for j in range(0, n_rec):
-            pos = rec0 + j
-            b_k = l2normalize(tl.load(r_kraw + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
-            b_v = tl.load(r_vraw + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-            b_beta = tl.load(r_beta + pos * HV + i_hv)
-            if IS_KDA:
-                b_g = tl.load(r_g + (pos * HV + i_hv) * K + o_k, mask=mask_k, other=0)
-            else:
-                b_g = tl.load(r_g + pos * HV + i_hv)
-            b_h = delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
+        b_h = replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                             H, HV, K, V, IS_KDA)
         p_dst = dst + di * HV * K * V + tile
         tl.store(p_dst, b_h.to(p_dst.dtype.element_ty), mask=mask_h)
 

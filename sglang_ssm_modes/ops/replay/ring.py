@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,46 @@ class ReplayRing:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Acceptance: ``count += n`` for each request's record slot (``accepted`` ``[N]`` = accepted
-    length with the base token; 0 or a negative slot: unchanged). Device ops only, no host sync;
-    records past the cursor are simply overwritten by the next window."""
-    valid = (record_indices >= 0) & (accepted > 0)
-    slots = torch.where(valid, record_indices, torch.zeros_like(record_indices)).long()
-    ring.count.index_add_(0, slots, torch.where(valid, accepted, torch.zeros_like(accepted)).to(torch.int32))
+@triton.jit(do_not_specialize=["N", "accepted_all", "window"])
+def advance_kernel(count, phase, rec_indices, accepted, accepted_all, N, window, L: tl.constexpr,
+                   PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK),)``: per row with a non-negative record slot, settle a fused fold of a
+    ``window``-token verify (``count + window > L``: ``count = 0``, ``phase ^= 1``), then
+    ``count += max(n, 0)`` with ``n = accepted[row]`` (``PER_ROW``) or ``accepted_all``.
+    ``count``, ``phase`` ``[R]`` int32; ``rec_indices``, ``accepted`` ``[N]``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    r = tl.load(rec_indices + offs, mask=m, other=-1).to(tl.int64)
+    ok = m & (r >= 0)
+    slot = tl.maximum(r, 0)
+    c = tl.load(count + slot, mask=ok, other=0)
+    ph = tl.load(phase + slot, mask=ok, other=0)
+    folded = (window > 0) & (c + window > L)
+    if PER_ROW:
+        n = tl.load(accepted + offs, mask=m, other=0)
+    else:
+        n = tl.zeros([BLOCK], dtype=tl.int32) + accepted_all
+    tl.store(count + slot, tl.where(folded, 0, c) + tl.maximum(n, 0), mask=ok)
+    tl.store(phase + slot, tl.where(folded, 1 - ph, ph), mask=ok)
+
+
+def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tensor | int,
+            window: int = 0) -> None:
+    """Acceptance: ``count += n`` for each request's record slot (``accepted``: ``[N]`` int32 accepted
+    lengths with the base token, or one int for every row; 0 or a negative slot: nothing added).
+    ``window`` = the T of a :func:`~.verify.replay_verify` whose fused fold just ran: the requests it
+    folded (``count + T > L``) first get an empty history in the other half. One launch, no host sync,
+    no allocation; records past the cursor are simply overwritten by the next window. Record slots
+    must be distinct."""
+    n = record_indices.shape[0]
+    if not n:
+        return
+    per_row = isinstance(accepted, torch.Tensor)
+    if per_row and accepted.dtype != torch.int32:
+        raise TypeError(f"accepted lengths must be int32, not {accepted.dtype}")
+    advance_kernel[(triton.cdiv(n, 256),)](
+        ring.count, ring.phase, record_indices, accepted if per_row else record_indices,
+        0 if per_row else int(accepted), n, window, L=ring.history, PER_ROW=per_row, BLOCK=256)
 
 
 def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> torch.Tensor:
