@@ -66,7 +66,7 @@ def run_mode(mode: str, port: int, prompts: list[str], args) -> dict:
                                  result["serving"][-1]["tpot_ms"] or float("nan"),
                                  result["serving"][-1]["throughput_tok_s"])
         info = json.loads(e2e_servers._get(server.url + "/server_info", timeout=30))
-        result["server"] = {k: info.get(k) for k in e2e_servers.SERVER_INFO if k in info}
+        result["server"] = e2e_servers.server_summary(info)
         pool = e2e_servers.POOL_LINE.findall(server.tail(1_000_000))
         result["mamba_pool"] = {"slots": int(pool[-1][1]), "bytes": int(pool[-1][2])} if pool else None
     except Exception as e:  # reported; the next mode still runs

@@ -287,6 +287,18 @@ SERVER_INFO = ("max_total_num_tokens", "max_running_requests", "max_mamba_cache_
 """What each row keeps of the server's ``/server_info`` (its arguments and what it sized at startup)."""
 
 
+def server_summary(info: dict) -> dict:
+    """The :data:`SERVER_INFO` fields of a ``/server_info`` answer, ``max_running_requests`` being what the
+    scheduler runs with (``effective_max_running_requests_per_dp`` summed over its DP ranks; the
+    argument stays None when SGLang derives it from the pools)."""
+    out = {k: info.get(k) for k in SERVER_INFO if k in info}
+    effective = [s.get("effective_max_running_requests_per_dp") for s in info.get("internal_states") or []]
+    if effective and all(isinstance(e, int) for e in effective):
+        out["max_running_requests_arg"] = out.get("max_running_requests")
+        out["max_running_requests"] = sum(effective)
+    return out
+
+
 def reference_key(cfg: dict) -> tuple:
     """Which native server a configuration is judged against: same model, speculation and dtypes."""
     return cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"]
@@ -320,7 +332,7 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         if args.gsm8k:
             row["gsm8k"] = run_gsm8k(server.url, name, args)
         info = json.loads(_get(server.url + "/server_info", timeout=30))
-        row["server"] = {k: info.get(k) for k in SERVER_INFO if k in info}
+        row["server"] = server_summary(info)
         log_text = server.tail(100000)
         pool = POOL_LINE.findall(log_text)
         row["mamba_pool"] = {"slots": int(pool[-1][1]), "bytes": int(pool[-1][2])} if pool else None

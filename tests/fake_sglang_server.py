@@ -40,7 +40,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if "server_info" in self.path:
             self._send({"max_total_num_tokens": 65536, "max_running_requests": 32, "tp_size": 1, "dp_size": 1,
-                        "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "version": "0.5.14"})
+                        "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "version": "0.5.14",
+                        "internal_states": [{"effective_max_running_requests_per_dp": 40}]})
         elif self.path.startswith("/v1/models"):
             self._send({"object": "list", "data": [{"id": "fake", "object": "model"}]})
         else:  # /health, /flush_cache

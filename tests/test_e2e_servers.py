@@ -65,6 +65,7 @@ def test_parity_and_reports(fake_servers):
     assert table["qwen3-next-compact-nextn-bf16", 1]["state_dtype"] == "bfloat16"
     assert not table["qwen3-next-compact-nextn-bf16", 1]["tokens_equal_native"]
     assert replay["tpot_ms"] > 0 and replay["throughput_tok_s"] > 0 and replay["mamba_pool_slots"] == 100
+    assert replay["max_running_requests"] == 40  # what the scheduler runs with, not the argument (32)
     assert {r["mamba_pool_bytes"] for r in report["rows"]} == {1000 + 31900 + i for i in range(len(configs))}
     # two runs merged into the committed report: the later run's rows win, the core matrix gaps are named
     later = {**report, "commit": "later", "rows": [{**r, "tpot_ms": 99.0} for r in report["rows"]
