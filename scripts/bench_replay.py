@@ -39,7 +39,7 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw):
+def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 4),)):
     from sglang.srt.layers.attention.fla.fused_recurrent import (
         fused_recurrent_gated_delta_rule_packed_decode, fused_recurrent_kda_packed_decode)
     from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
@@ -67,10 +67,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
-    def replay_step_fused(r):  # as served: the fold inside the verify launch, the cursor settled after
-        replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                      groups[r], is_kda=is_kda, round_beta=round_beta)
-        advance(ring, groups[r], accepted, window=d)
+    def replay_step_fused(block_v, warps):  # as served: the fold inside the verify launch, the cursor after
+        def step(r):
+            replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
+                          groups[r], is_kda=is_kda, round_beta=round_beta, block_v=block_v, num_warps=warps)
+            advance(ring, groups[r], accepted, window=d)
+        return step
 
     def replay_step_separate(r):  # the fold kernel first (masked to the requests that need it)
         fold_into_checkpoints(pool, groups[r], ring, groups[r], fold_needed(ring, groups[r], d), is_kda=is_kda)
@@ -119,8 +121,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     replay_per_req = state_bytes + 2 * history * rec + 8
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
-            ("ours-replay", "fused", replay_step_fused, replay_bytes,
-             f"replay_verify(fused fold, round_beta={round_beta})+advance(window={d})", replay_per_req),
+            *(("ours-replay", f"fused {bv}x{w}", replay_step_fused(bv, w), replay_bytes,
+               f"replay_verify(fused fold, block_v={bv}, num_warps={w}, round_beta={round_beta})+advance(window={d})",
+               replay_per_req) for bv, w in tilings),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
              replay_per_req)):
@@ -132,6 +135,11 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw):
     del pool, ring
     torch.cuda.empty_cache()
     return rows
+
+
+def rows_fold_served(rows) -> str:
+    """The variant the plot shows: the first fused tiling measured (the served default first)."""
+    return next(r["fold"] for r in rows if r["impl"] == "ours-replay" and r["fold"].startswith("fused"))
 
 
 def write_report(result, out_dir):
@@ -157,7 +165,7 @@ def write_report(result, out_dir):
         f.write("\n".join(lines) + "\n")
     points = {}
     for r in rows:
-        if r["impl"] == "ours-replay" and r["fold"] == "fused":
+        if r["impl"] == "ours-replay" and r["fold"] == rows_fold_served(rows):
             label = f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
             points.setdefault(r["family"], {}).setdefault(label, []).append(
                 (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
@@ -172,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
+    p.add_argument("--tilings", nargs="+", default=["32x4"], metavar="BVxWARPS",
+                   help="replay verify launch tilings to time side by side (block_v x num_warps; the served "
+                        "default 32x4 first), e.g. 32x4 32x1 128x8")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
@@ -179,6 +190,12 @@ def main(argv=None) -> int:
     bad = [(L, d) for L in args.histories for d in args.draft_tokens if L < d or L not in (8, 16, 32, 64)]
     if bad:
         p.error(f"each history must be one of 8, 16, 32, 64 and >= every draft-token count; bad (L, D): {bad}")
+    try:
+        tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings]
+    except ValueError:
+        p.error(f"--tilings {' '.join(args.tilings)}: each is BLOCKVxWARPS, e.g. 32x4")
+    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16) for t in tilings):
+        p.error(f"--tilings {' '.join(args.tilings)}: block_v a power of two, warps one of 1, 2, 4, 8, 16")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm
@@ -190,7 +207,7 @@ def main(argv=None) -> int:
              for L in args.histories for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw)
+        new = bench_case(*case, bw, tilings)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
         result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==

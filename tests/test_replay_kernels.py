@@ -152,6 +152,37 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
+def test_launch_tiling_changes_no_result(family, hk, hv):
+    """``block_v`` / ``num_warps`` (what the benchmark sweeps) tile the verify launch; outputs,
+    checkpoints (a fused fold included) and ring are the same bits for every tiling."""
+    n, d, L, kdim, vdim = 3, 2, 4, 16, 32
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    results = []
+    for block_v, warps in ((32, 4), (8, 1), (16, 2)):
+        ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+        ring.count.fill_(L - 1)  # every request folds inside the launch
+        gen = torch.Generator().manual_seed(51)
+        for name, t in ring.buffers().items():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        ring.beta.uniform_(0, 1, generator=gen)
+        ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
+        p = pool.to(DEVICE).clone()
+        inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+        o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                          inp["b"], p, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=block_v,
+                          num_warps=warps)
+        results.append((o, p, ring.buffers()))
+    for o, p, bufs in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(p, results[0][1])
+        assert all(torch.equal(t, results[0][2][k]) for k, t in bufs.items())
+    with pytest.raises(ValueError, match="power of two"):
+        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=24)
+
+
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
     """Raw k, v are the inputs bit for bit; g and beta equal the compact records (same code as the
     native kernel); a padding row writes nothing; positions follow phase * L + count."""

@@ -155,7 +155,8 @@ def replay_verify_kernel(
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
-                  scale: float | None = None, round_beta: bool = False, fused_fold: bool = True) -> torch.Tensor:
+                  scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
+                  block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``.
 
@@ -165,7 +166,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     cursor, whatever the batch's fold pattern. Otherwise the caller folds first
     (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`). ``round_beta`` rounds
     sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a replay decode, once
-    folded, is what that kernel leaves). Returns ``o`` ``[1, T_all, HV, V]``.
+    folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per program) and
+    ``num_warps`` tile the launch without changing any result. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -174,7 +176,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
     if t_all // n > ring.history:
         raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v {block_v} must be a power of two")
+    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), block_v)
     if BK != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     o = q.new_empty(1, t_all, hv, vdim)
@@ -184,5 +188,5 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
         a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-        ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, num_warps=4, num_stages=2)
+        ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, num_warps=num_warps, num_stages=2)
     return o
