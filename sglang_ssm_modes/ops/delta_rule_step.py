@@ -52,6 +52,22 @@ def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
 
 
 @triton.jit
+def apply_record(b_h, rec_k, rec_v, rec_g, rec_beta, pos, i_h, i_hv, o_k, o_v, mask_k, mask_v, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """One token of the native recurrence from a stored record at position ``pos`` of ``[*, H, K]`` raw
+    keys (re-normalised here), ``[*, HV, V]`` raw values, ``[*, HV(, K)]`` gates and ``[*, HV]`` betas
+    (compact records and replay rings share this layout). Returns the new float32 tile."""
+    b_k = l2normalize(tl.load(rec_k + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
+    b_v = tl.load(rec_v + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    b_beta = tl.load(rec_beta + pos * HV + i_hv)
+    if IS_KDA:
+        b_g = tl.load(rec_g + (pos * HV + i_hv) * K + o_k, mask=mask_k, other=0)
+    else:
+        b_g = tl.load(rec_g + pos * HV + i_hv)
+    return delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
+
+
+@triton.jit
 def tree_ancestors(p_parents, stride_tok, node, max_depth, NP2_D: tl.constexpr):
     """Walk a draft tree up from ``node`` to the root (node 0) through one request's
     ``retrieve_parent_token`` row (``p_parents``, element stride ``stride_tok``). Returns

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import delta_rule_update, l2normalize, tree_ancestors
+from ..delta_rule_step import apply_record, tree_ancestors
 from .records import CompactRecordBuffers
 
 
@@ -55,15 +55,8 @@ def compact_commit_kernel(
                 t = tl.sum(tl.where(o_d == depth - jj, anc, 0))
             else:
                 t = jj
-            rec_t = r * D + t
-            b_k = tl.load(rec_k + (rec_t * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-            b_v = tl.load(rec_v + (rec_t * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-            b_beta = tl.load(rec_beta + rec_t * HV + i_hv)
-            if IS_KDA:
-                b_g = tl.load(rec_g + (rec_t * HV + i_hv) * K + o_k, mask=mask_k, other=0)
-            else:
-                b_g = tl.load(rec_g + rec_t * HV + i_hv)
-            b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
+            b_h = apply_record(b_h, rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                               H, HV, K, V, IS_KDA)
             if IS_TREE:
                 b_h = b_h.to(h0_source.dtype.element_ty).to(tl.float32)
         p_dst = dst + di * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]

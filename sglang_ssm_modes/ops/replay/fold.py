@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import delta_rule_update, l2normalize
+from ..delta_rule_step import apply_record
 from .ring import ReplayRing, after_fold
 
 
@@ -25,15 +25,8 @@ def replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k
     stored g and beta) on one float32 ``[BK, BV]`` state tile; returns the advanced tile (the fold's
     body, shared by :func:`replay_fold_kernel` and the verify kernel's fused fold)."""
     for j in range(0, n_rec):
-        pos = rec0 + j
-        b_k = l2normalize(tl.load(r_kraw + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
-        b_v = tl.load(r_vraw + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_beta = tl.load(r_beta + pos * HV + i_hv)
-        if IS_KDA:
-            b_g = tl.load(r_g + (pos * HV + i_hv) * K + o_k, mask=mask_k, other=0)
-        else:
-            b_g = tl.load(r_g + pos * HV + i_hv)
-        b_h = delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
+        b_h = apply_record(b_h, r_kraw, r_vraw, r_g, r_beta, rec0 + j, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                           H, HV, K, V, IS_KDA)
     return b_h
 
 
