@@ -106,3 +106,21 @@ def test_record_bytes_match_the_sizing_model():
         assert bench_replay.record_bytes(family) == record_bytes(
             "replay", head_k_dim=128, head_v_dim=128, gate_width=kg, activation_dtype=torch.bfloat16,
             num_v_heads=hv, num_k_heads=hk)
+
+
+import replay_drift  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--history", "12"], ["--families", "mamba"]])
+def test_replay_drift_validates_arguments_before_looking_for_a_gpu(bad):
+    with pytest.raises(SystemExit) as e:
+        replay_drift.main(["--out", "/tmp/unused", *bad])
+    assert e.value.code == 2
+
+
+def test_replay_drift_report(tmp_path):
+    rows = [dict(family="gdn", tokens=t, impl=impl, history=16, rel_err=err * t)
+            for t in (500, 1000) for impl, err in (("sglang-0.5.14-native-bf16", 1e-5), ("ours-replay-bf16", 2e-6))]
+    replay_drift.write_report(dict(gpu="GPU", date="d", commit="c", rows=rows), str(tmp_path))
+    assert "| gdn | 1000 | 0.01 | 0.002 |" in (tmp_path / "replay_drift.md").read_text()
+    assert (tmp_path / "replay_drift.png").stat().st_size > 0
