@@ -55,8 +55,9 @@ def merge(runs: list[dict]) -> dict:
                   key=lambda r: (order.get(r["config"], len(CORE)), r["config"], r["concurrency"]))
     last = runs[-1]
     return {"gpu": last["gpu"], "date": last["date"], "commit": last["commit"],
-            "sglang_version": last["sglang_version"], "runs": [{k: r[k] for k in ("gpu", "date", "commit")}
-                                                               for r in runs],
+            "sglang_version": last["sglang_version"],
+            "runs": [{"gpu": r["gpu"], "date": r["date"], "commit": r["commit"], "settings": r.get("settings")}
+                     for r in runs],
             "core_missing": [c for c in CORE if c not in latest], "failed": failed, "rows": rows}
 
 
@@ -66,7 +67,9 @@ def _fmt(x, f="{:.3g}") -> str:
 
 def write_markdown(report: dict, path: Path) -> None:
     lines = [f"# End-to-end servers — {report['gpu']}, SGLang {report['sglang_version']}",
-             "", "Runs: " + ", ".join(f"{r['commit']} ({r['date']})" for r in report["runs"]), "",
+             "", "Runs: " + ", ".join(f"{r['commit']} ({r['date']}, near-tie tolerance "
+                                      f"{(r['settings'] or {}).get('tie_gap', 'not recorded')})"
+                                      for r in report["runs"]), "",
              "Parity is against the native server of the same model, speculation and dtypes (max |Δ log-prob| over "
              "teacher-forced and generated tokens; token agreement = greedy tokens identical up to the first "
              "divergence). Every divergence must sit at a near-tie of native's; `unexpl.` counts those that do not.",

@@ -383,6 +383,8 @@ def main(argv=None) -> int:
     # natives first: every other configuration is judged against the native server of its model and spec
     order = sorted(args.configs, key=lambda c: MATRIX[c]["mode"] != "native")
     configs, native = [], {}  # reference key -> the native configuration
+    settings = {k: getattr(args, k) for k in ("tie_gap", "prompts", "prompt_len", "new_tokens", "concurrency",
+                                              "speed_tokens", "gsm8k")}
     for i, name in enumerate(order):
         cfg = MATRIX[name]
         key = reference_key(cfg)
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
         if cfg["mode"] != "native" and key in native and "gen" in row:
             row["parity"] = parity(native[key], row, args.tie_gap)
         configs.append(row)
-        _write(args.out, configs)
+        _write(args.out, configs, settings)
     failed = [r["name"] for r in configs if not r["started"] or "error" in r
               or r.get("parity", {}).get("unexplained_divergences", 0)]
     log.info("done: %d configurations, failed: %s", len(configs), failed or "none")
@@ -450,7 +452,7 @@ def table_rows(configs: list[dict]) -> list[dict]:
     return rows
 
 
-def _write(out: Path, configs: list[dict]) -> None:
+def _write(out: Path, configs: list[dict], settings: dict) -> None:
     slim = [{k: v for k, v in r.items() if k not in ("gen", "tf")} for r in configs]
     for r in slim:
         if "gsm8k" in r:
@@ -458,7 +460,8 @@ def _write(out: Path, configs: list[dict]) -> None:
     meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F"),
             "sglang_version": next((r["server"]["version"] for r in slim if (r.get("server") or {}).get("version")),
                                    None) or _installed("sglang")}
-    (out / "e2e_h200.json").write_text(json.dumps({**meta, "rows": table_rows(configs), "configs": slim}, indent=1))
+    (out / "e2e_h200.json").write_text(json.dumps({**meta, "settings": settings, "rows": table_rows(configs),
+                                                   "configs": slim}, indent=1))
     lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "
              "unexplained div. | error |", "|" + "---|" * 10]
     for r in slim:
