@@ -65,10 +65,8 @@ def run_mode(mode: str, port: int, prompts: list[str], args) -> dict:
             e2e_servers.log.info("%s: concurrency %d: TPOT %.2f ms, %.0f tok/s", mode, c,
                                  result["serving"][-1]["tpot_ms"] or float("nan"),
                                  result["serving"][-1]["throughput_tok_s"])
-        info = json.loads(e2e_servers._get(server.url + "/server_info", timeout=30))
-        result["server"] = e2e_servers.server_summary(info)
-        pool = e2e_servers.POOL_LINE.findall(server.tail(1_000_000))
-        result["mamba_pool"] = {"slots": int(pool[-1][1]), "bytes": int(pool[-1][2])} if pool else None
+        result["server"] = server.info()
+        result["mamba_pool"] = server.allocated_pool()
     except Exception as e:  # reported; the next mode still runs
         result["error"] = f"{type(e).__name__}: {e}"[-3000:]
         e2e_servers.log.error("%s failed: %s", mode, result["error"][-600:])
@@ -191,7 +189,7 @@ def main(argv=None) -> int:
         results.append(run_mode(mode, args.port + i, prompts, args))
     gsm = combined_gsm8k(results, args.out / "gsm8k")
     report = {"date": time.strftime("%F %H:%M"), "model_path": args.model_path,
-              "server_args": shlex.join(server_args), "sglang_version": e2e_servers._installed("sglang"),
+              "server_args": shlex.join(server_args), "sglang_version": e2e_servers.installed_version("sglang"),
               "rows": summary_rows(results, gsm),
               "modes": [{k: v for k, v in r.items() if k != "gsm8k"} for r in results]}
     write_report(report, args.out)

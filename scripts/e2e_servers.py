@@ -148,6 +148,16 @@ class Server:
         self.log_file.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def info(self) -> dict:
+        """What :func:`server_summary` keeps of the live server's ``/server_info``."""
+        return server_summary(json.loads(_get(self.url + "/server_info", timeout=30)))
+
+    def allocated_pool(self) -> dict | None:
+        """``{"slots", "bytes"}`` of the mamba pool the plugin logged it allocated (None without the line)."""
+        self.log_file.flush()
+        found = POOL_LINE.findall(self.log_path.read_text(errors="replace"))
+        return {"slots": int(found[-1][1]), "bytes": int(found[-1][2])} if found else None
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -331,12 +341,9 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
                                         args.speed_tokens) for c in args.concurrency]
         if args.gsm8k:
             row["gsm8k"] = run_gsm8k(server.url, name, args)
-        info = json.loads(_get(server.url + "/server_info", timeout=30))
-        row["server"] = server_summary(info)
-        log_text = server.tail(100000)
-        pool = POOL_LINE.findall(log_text)
-        row["mamba_pool"] = {"slots": int(pool[-1][1]), "bytes": int(pool[-1][2])} if pool else None
-        row["log_lines"] = [line for line in log_text.splitlines()
+        row["server"] = server.info()
+        row["mamba_pool"] = server.allocated_pool()
+        row["log_lines"] = [line for line in server.tail(100000).splitlines()
                             if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
     except Exception as e:  # reported in the row; the run goes on with the next server
         row["error"] = f"{type(e).__name__}: {e}"[-3000:]
@@ -403,7 +410,7 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def _installed(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -459,7 +466,7 @@ def _write(out: Path, configs: list[dict], settings: dict) -> None:
             r["gsm8k"] = {k: v for k, v in r["gsm8k"].items() if k != "responses"}
     meta = {"gpu": os.environ.get("GPU_NAME"), "commit": os.environ.get("COMMIT"), "date": time.strftime("%F"),
             "sglang_version": next((r["server"]["version"] for r in slim if (r.get("server") or {}).get("version")),
-                                   None) or _installed("sglang")}
+                                   None) or installed_version("sglang")}
     (out / "e2e_h200.json").write_text(json.dumps({**meta, "settings": settings, "rows": table_rows(configs),
                                                    "configs": slim}, indent=1))
     lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "
