@@ -50,6 +50,8 @@ class StateAcceptance:
         if record_indices is None:
             record_indices = torch.arange(n, dtype=torch.int32, device=state_indices.device)
         temporal = self.pool.mamba_cache.temporal
+        accepted = (last_index + 1).to(torch.int32)  # replay's cursor advance, base token included
+        window = self.pool.mode_config.draft_tokens
         for layer in range(self.pool.num_mamba_layers):
             if self.mode == "native":
                 inter = self.pool.mamba_cache.intermediate_ssm[layer]
@@ -72,9 +74,8 @@ class StateAcceptance:
                     raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
                                      "verify (EAGLE topk > 1) commits through compact's path")
                 ring = self.pool.layer_ring(layer)
-                window = self.pool.mode_config.draft_tokens
                 if track_indices is None:  # the verify's fused folds settle with the accepted lengths
-                    advance(ring, state_indices, (last_index + 1).to(torch.int32), window=window)
+                    advance(ring, state_indices, accepted, window=window)
                     continue
                 advance(ring, state_indices, 0, window=window)  # settle the folds: the cursor the snapshots read
                 slots = state_indices.clamp_min(0).long()
@@ -83,7 +84,7 @@ class StateAcceptance:
                 replay_fold(temporal[layer], state_indices, ring, state_indices, tracked, is_kda=self.is_kda,
                             dst=temporal[layer], dst_indices=track_indices, lengths=lengths)
                 clear_history(ring, track_indices, tracked)
-                advance(ring, state_indices, (last_index + 1).to(torch.int32))
+                advance(ring, state_indices, accepted)
 
 
 def _scatter_steps(states: torch.Tensor, intermediate: torch.Tensor, dst_indices: torch.Tensor,

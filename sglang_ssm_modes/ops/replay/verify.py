@@ -102,8 +102,9 @@ def replay_verify_kernel(
         b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
     else:
         b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
-        b_Gc = tl.zeros([BK], dtype=tl.float32) + tl.sum(b_gh, 0)
-        b_dec = tl.exp(tl.sum(b_gh, 0) - tl.cumsum(b_gh, 0))[:, None]
+        b_gsum = tl.sum(b_gh, 0)
+        b_Gc = tl.zeros([BK], dtype=tl.float32) + b_gsum
+        b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
     b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None] & mask_k[None, :], other=0)
     b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
     b_uh = tl.load(r_u + (p_rec[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_l[:, None] & mask_v[None, :],
