@@ -62,6 +62,19 @@ def time_graph(fn, rounds: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def compiled_resources(jit_fn, fn) -> str:
+    """Call ``fn()`` once and name the registers and spills per thread of the ``jit_fn`` variants it
+    compiled (``"<regs> regs, <spills> spills"``; ``""`` when it compiled none: an earlier call did).
+    Triton reads both from ``ptxas`` when a kernel is loaded; spills mean local-memory traffic."""
+    def variants():
+        caches = getattr(jit_fn, "device_caches", {})  # Triton >= 3.2
+        return [k for cache, *_ in caches.values() for k in cache.values()]
+
+    before = {id(k) for k in variants()}
+    fn()
+    torch.cuda.synchronize()
+    new = [k for k in variants() if id(k) not in before]
+    return "; ".join(f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills" for k in new)
 
 
 def plot_speedups(points: dict, title: str, path: str) -> None:

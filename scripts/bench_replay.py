@@ -28,8 +28,8 @@ import sys
 
 import torch
 
-from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, plot_speedups,
-                          time_graph)
+from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, make_inputs,
+                          plot_speedups, time_graph)
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -39,7 +39,9 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 4),)):
+def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 4),), resources=None):
+    """Time native and replay (each tiling, fused fold; and the separate fold) for one case; rows.
+    ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
     from sglang.srt.layers.attention.fla.fused_recurrent import (
         fused_recurrent_gated_delta_rule_packed_decode, fused_recurrent_kda_packed_decode)
     from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
@@ -47,6 +49,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 4),
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
+    from sglang_ssm_modes.ops.replay.verify import replay_verify_kernel
+
+    resources = {} if resources is None else resources
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -127,11 +132,16 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 4),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
              replay_per_req)):
+        if impl_ == "ours-replay":  # first call of this variant: what ptxas gave the verify kernel
+            key = (family, dtype_name, history, round_beta, fold)
+            if key not in resources:
+                resources[key] = compiled_resources(replay_verify_kernel, lambda: fn_(0)) or None
         us = time_graph(fn_, rounds)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
                          history=history if impl_ == "ours-replay" else None, fold=fold, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
-                         bytes_per_request=int(per_req), path=path_))
+                         bytes_per_request=int(per_req), path=path_,
+                         verify_kernel_resources=resources.get((family, dtype_name, history, round_beta, fold))))
     del pool, ring
     torch.cuda.empty_cache()
     return rows
@@ -154,13 +164,14 @@ def write_report(result, out_dir):
              "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
              "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
              "(`separate`).", "",
-             "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
+             "| verify kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"], r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
-                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} |")
+                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | {r.get('verify_kernel_resources') or ''} |")
     with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}
@@ -206,8 +217,9 @@ def main(argv=None) -> int:
     cases = [(f, dt, b, d, L) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens
              for L in args.histories for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
+    resources = {}
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw, tilings)
+        new = bench_case(*case, bw, tilings, resources)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
         result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
