@@ -146,3 +146,38 @@ def test_int8_checkpoints_store_the_canonical_state(mode, cuda_scratch_on_cpu): 
     if mode == "replay":
         assert (pool.replay_rings.count[:, 5] == 0).all() and torch.equal(pool.replay_rings.count[:, [2, 4]],
                                                                           cursors[:, [2, 4]])
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_pd_decode_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):  # noqa: F811
+    """PD decode: when SGLang prepares the prebuilt batch, the requests' states have arrived by transfer
+    into their slots; the hook runs SGLang's own step first, then empties exactly those slots' histories
+    (a reused slot may hold a previous owner's records), leaving the states and every other slot alone."""
+    from sglang.srt.disaggregation.decode_schedule_batch_mixin import ScheduleBatchDisaggregationDecodeMixin
+
+    pool = make_pool(mode, draft_tokens=1, size=6, history=8)
+    gen = torch.Generator().manual_seed(9)
+    pool.mamba_cache.temporal.copy_(torch.randn(pool.mamba_cache.temporal.shape, generator=gen))
+    if mode == "replay":
+        _fill_history(pool, [1, 2, 4], 3, gen)
+        pool.replay_rings.phase[:, [2, 4]] = 1
+    temporal = pool.mamba_cache.temporal.clone()
+    rings = pool.replay_rings and (pool.replay_rings.count.clone(), pool.replay_rings.phase.clone())
+    calls = []
+
+    def sglang_step(batch):
+        calls.append(pool.replay_rings.count.clone() if mode == "replay" else None)
+        return "prepared"
+
+    reqs = [SimpleNamespace(mamba_pool_idx=torch.tensor(s)) for s in (2, 4)] + [SimpleNamespace(mamba_pool_idx=None)]
+    batch = SimpleNamespace(reqs=reqs, req_to_token_pool=SimpleNamespace(mamba_pool=pool))
+    assert pool_hooks.pd_prepare_for_prebuilt(sglang_step, batch) == "prepared"
+    assert len(calls) == 1 and callable(ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt)
+    assert torch.equal(pool.mamba_cache.temporal, temporal), "the transferred states are untouched"
+    if mode == "replay":
+        assert torch.equal(calls[0], rings[0]), "SGLang's own step runs first"
+        count, phase = rings
+        count[:, [2, 4]] = 0
+        phase[:, [2, 4]] = 0
+        assert torch.equal(pool.replay_rings.count, count) and torch.equal(pool.replay_rings.phase, phase)
+        assert (pool.replay_rings.count[:, 1] == 3).all(), "other slots keep their history"

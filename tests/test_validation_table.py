@@ -37,7 +37,7 @@ CHOICE_TABLE = {
     "--linear-attn-prefill-backend": {"triton": (), "cutedsl": (), "flashinfer": ()},
     "--mamba-backend": {"triton": (), "flashinfer": ()},
     "--mamba-ssm-dtype": {"float32": (), "bfloat16": (), "float16": ()},
-    "--disaggregation-mode": {"null": (), "prefill": ("replay",), "decode": ("replay",)},
+    "--disaggregation-mode": {"null": (), "prefill": (), "decode": ()},
     "--cuda-graph-backend-decode": {"full": (), "breakable": (), "tc_piecewise": (), "disabled": ()},
     "--cuda-graph-backend-prefill": {"full": (), "breakable": (), "tc_piecewise": (), "disabled": ()},
 }

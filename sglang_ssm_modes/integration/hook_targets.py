@@ -14,7 +14,10 @@ KDA_EXTEND = f"{_ATTN}.linear.kda_backend.KDAAttnBackend.forward_extend"
 COMMIT = f"{_ATTN}.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify"
 INT8_STORE = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.store_from_active"
 INT8_LOAD = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.load_to_active"
-MODE_TARGETS = (POOL, SIZING, GDN_DECODE, GDN_EXTEND, KDA_DECODE, KDA_EXTEND, COMMIT, INT8_STORE, INT8_LOAD)
+PD_PREBUILT = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin" \
+              ".prepare_for_prebuilt"
+MODE_TARGETS = (POOL, SIZING, GDN_DECODE, GDN_EXTEND, KDA_DECODE, KDA_EXTEND, COMMIT, INT8_STORE, INT8_LOAD,
+                PD_PREBUILT)
 """Every target a non-native mode is served through."""
 
 

@@ -11,7 +11,8 @@ Hooks:
   process, and SGLang can serialise them);
 * ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
   mode's pool and its sizing; ``MambaCheckpointPool.store_from_active`` / ``load_to_active``: int8
-  radix-cache checkpoints of the canonical state (:mod:`.pool_hooks`);
+  radix-cache checkpoints of the canonical state; ``ScheduleBatch.prepare_for_prebuilt`` (PD decode): the
+  slots a transfer has just filled start with an empty history (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
   ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
   (:mod:`.backend_hooks`).
@@ -42,6 +43,7 @@ HOOKS = {  # target -> AROUND hook
     targets.COMMIT: backend_hooks.update_mamba_state_after_mtp_verify,
     targets.INT8_STORE: pool_hooks.int8_store_from_active,
     targets.INT8_LOAD: pool_hooks.int8_load_to_active,
+    targets.PD_PREBUILT: pool_hooks.pd_prepare_for_prebuilt,
 }
 """Every AROUND hook of the plugin, by SGLang target."""
 

@@ -2,7 +2,10 @@
 (the pool) and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache`` (how many pool slots fit, so memory a
 mode saves becomes more running requests or more radix cache); and the int8 radix-cache checkpoints
 (``MambaCheckpointPool``), which read and write the pool's raw state: they store the canonical state and
-the slot that receives one starts with an empty history.
+the slot that receives one starts with an empty history. PD disaggregation is the same contract across
+servers: the prefill server's slot holds the canonical state when its transfer starts (a replay prefill
+folds the history first and leaves none behind), and the decode server's slot that received it starts
+with an empty history (``ScheduleBatch.prepare_for_prebuilt``).
 
 The mode comes from the server arguments (``ServerArgs.ssm_mode_config``, set at startup by the plugin);
 without one every hook is SGLang's own behaviour.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+
+import torch
 
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
@@ -132,3 +137,17 @@ def int8_load_to_active(original, self, active_mamba_pool, ckpt_slots, active_sl
     original(self, active_mamba_pool, ckpt_slots, active_slots)
     if isinstance(active_mamba_pool, ModeMambaPool):
         active_mamba_pool.clear_history(active_slots)
+
+
+def pd_prepare_for_prebuilt(original, self):
+    """AROUND ``ScheduleBatch.prepare_for_prebuilt`` (PD decode server): the requests' states have just
+    arrived by transfer into their pool slots — raw canonical states; in replay, empty those slots'
+    histories (a reused slot may still hold a previous owner's records) before ``process_prebuilt``
+    caches the requests in the radix tree and before their first decode."""
+    result = original(self)
+    pool = getattr(self.req_to_token_pool, "mamba_pool", None)
+    if isinstance(pool, ModeMambaPool) and self.reqs:
+        slots = [req.mamba_pool_idx for req in self.reqs if req.mamba_pool_idx is not None]
+        if slots:
+            pool.clear_history(torch.stack([torch.as_tensor(s).reshape(()) for s in slots]))
+    return result

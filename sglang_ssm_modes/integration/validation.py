@@ -45,8 +45,6 @@ def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_na
     refused = (
         (server_args.enable_hierarchical_cache, "--enable-hierarchical-cache",
          "HiCache's host transfers read the raw state buffers, which replay does not materialise before them yet"),
-        (server_args.disaggregation_mode not in (None, "null"), f"--disaggregation-mode {server_args.disaggregation_mode}",
-         "PD transfer is not wired to replay's materialisation yet"),
     )
     for hit, other, why in refused:
         if hit:
