@@ -14,8 +14,8 @@ with the base token counted; -1 = nothing), plus the radix cache's tracked snaps
   tracked snapshots are materialised from checkpoint + records into their slots.
 
 Each model (target, draft) has its own pool and so its own ``StateAcceptance``: their commit records
-never mix. Only device ops: no host synchronisation. The conv window's commit is SGLang's for native;
-for compact and replay it follows the conv-window work (not wired here yet).
+never mix. Only device ops: no host synchronisation. The conv window is committed beside it, in every
+mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit hook).
 """
 
 from __future__ import annotations
