@@ -191,9 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--tilings", nargs="+", default=["32x4"], metavar="BVxWARPS",
+    p.add_argument("--tilings", nargs="+", default=["128x4"], metavar="BVxWARPS",
                    help="replay verify launch tilings to time side by side (block_v x num_warps; the served "
-                        "default 32x4 first), e.g. 32x4 32x1 128x8")
+                        "default 128x4 first), e.g. 128x4 32x4 32x1")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     try:
         tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings]
     except ValueError:
-        p.error(f"--tilings {' '.join(args.tilings)}: each is BLOCKVxWARPS, e.g. 32x4")
+        p.error(f"--tilings {' '.join(args.tilings)}: each is BLOCKVxWARPS, e.g. 128x4")
     if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16) for t in tilings):
         p.error(f"--tilings {' '.join(args.tilings)}: block_v a power of two, warps one of 1, 2, 4, 8, 16")
     if not torch.cuda.is_available():

@@ -16,7 +16,8 @@ Requests, identical for every server:
 * teacher forcing: each prompt + native's greedy continuation + 16 more tokens, with the input
   log-probabilities of everything after the prompt. With the radix cache on, these requests hit the
   prefix cached by the first phase (copy-on-write of a state that replay must materialise);
-* serving speed: at each ``--concurrency`` level, that many streamed greedy requests at once
+* serving speed (after one untimed warm-up round at the highest level): at each ``--concurrency`` level,
+  that many streamed greedy requests at once
   (``--speed-tokens`` each): TPOT and output throughput with ``bench_serving``'s definitions
   (TPOT = (latency - TTFT) / (output tokens - 1), median over requests; throughput = output tokens /
   wall time);
@@ -337,6 +338,9 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
         row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                         "accept_length": round(tokens / sum(verify), 3) if verify else None}
+        # untimed, at the highest level first: the first prefill and decode of a batch that large compile
+        # Triton kernels (shapes never seen before), which would otherwise land in the timed run
+        serving_speed(server.url, make_prompts(max(args.concurrency), args.prompt_len, vocab, seed=99), 16)
         row["serving"] = [serving_speed(server.url, make_prompts(c, args.prompt_len, vocab, seed=100 + c),
                                         args.speed_tokens) for c in args.concurrency]
         if args.gsm8k:

@@ -159,7 +159,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     results = []
-    for block_v, warps in ((32, 4), (8, 1), (16, 2)):
+    for block_v, warps in ((128, 4), (32, 4), (8, 1), (16, 2)):
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
         ring.count.fill_(L - 1)  # every request folds inside the launch
         gen = torch.Generator().manual_seed(51)

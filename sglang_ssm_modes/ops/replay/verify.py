@@ -157,7 +157,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
+                  block_v: int = 128, num_warps: int = 4) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``.
 
@@ -168,7 +168,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`). ``round_beta`` rounds
     sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a replay decode, once
     folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per program) and
-    ``num_warps`` tile the launch without changing any result. Returns ``o`` ``[1, T_all, HV, V]``.
+    ``num_warps`` tile the launch without changing any result; the default (one program per value head,
+    4 warps) was the fastest tiling measured on the H200 at batch 32 and 256 for GDN and KDA, D 1 and 4,
+    L 16 and 64 (``bench/results/replay/tilings_20261203``). Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
