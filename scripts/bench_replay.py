@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--tilings", nargs="+", default=["128x4"], metavar="BVxWARPS",
+    p.add_argument("--tilings", nargs="+", default=["128x4", "32x4"], metavar="BVxWARPS",
                    help="replay verify launch tilings to time side by side (block_v x num_warps; the served "
                         "default 128x4 first), e.g. 128x4 32x4 32x1")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))

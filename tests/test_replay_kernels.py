@@ -154,7 +154,9 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv):
     """``block_v`` / ``num_warps`` (what the benchmark sweeps) tile the verify launch; outputs,
-    checkpoints (a fused fold included) and ring are the same bits for every tiling."""
+    checkpoints (a fused fold included) and every ring record are the same bits for every tiling, except
+    ``u``: its float32 reductions over K follow the launch layout, so on the GPU it may differ in the last
+    bit (seen on the H200: 6e-8) — u only feeds outputs, never a fold (folds replay the raw records)."""
     n, d, L, kdim, vdim = 3, 2, 4, 16, 32
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
@@ -166,7 +168,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
         for name, t in ring.buffers().items():
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-        ring.beta.uniform_(0, 1, generator=gen)
+        ring.beta.copy_(torch.rand(ring.beta.shape, generator=gen))  # drawn on the CPU: same bits on any device
         ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
         p = pool.to(DEVICE).clone()
         inp = to_device(flat_inputs(x, family, n, d), DEVICE)
@@ -176,7 +178,10 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
         results.append((o, p, ring.buffers()))
     for o, p, bufs in results[1:]:
         assert torch.equal(o, results[0][0]) and torch.equal(p, results[0][1])
-        assert all(torch.equal(t, results[0][2][k]) for k, t in bufs.items())
+        differ = {k: (t.float() - results[0][2][k].float()).abs().max().item() for k, t in bufs.items()
+                  if k != "u" and not torch.equal(t, results[0][2][k])}
+        assert not differ, f"ring buffers differ between tilings (max abs diff): {differ}"
+        torch.testing.assert_close(bufs["u"], results[0][2]["u"], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="power of two"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=24)

@@ -153,11 +153,18 @@ def replay_verify_kernel(
         tl.debug_barrier()  # this program reads its own u stores back for the next token
 
 
+def default_block_v(value_heads: int) -> int:
+    """V columns per program for a launch over ``value_heads`` (requests × value heads): a whole
+    128-column head per program once there are enough heads to fill the GPU (the history block is then
+    loaded and reduced once per head), 32 columns below that (more programs for a small batch)."""
+    return 128 if value_heads >= 128 else 32
+
+
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  block_v: int = 128, num_warps: int = 4) -> torch.Tensor:
+                  block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``.
 
@@ -168,9 +175,11 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`). ``round_beta`` rounds
     sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a replay decode, once
     folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per program) and
-    ``num_warps`` tile the launch without changing any result; the default (one program per value head,
-    4 warps) was the fastest tiling measured on the H200 at batch 32 and 256 for GDN and KDA, D 1 and 4,
-    L 16 and 64 (``bench/results/replay/tilings_20261203``). Returns ``o`` ``[1, T_all, HV, V]``.
+    ``num_warps`` tile the launch: outputs, checkpoints and raw records are the same bits for every
+    tiling (the ``u`` records to float32 rounding). Default (:func:`default_block_v`): one program per
+    value head when the batch has at least 128 value heads, else 32 columns per program — the fastest
+    tilings measured on the H200 (``bench/results/replay/tilings_20261203`` and ``small_batch_20261203``).
+    Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -179,6 +188,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
     if t_all // n > ring.history:
         raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: L >= D needed")
+    if block_v is None:
+        block_v = default_block_v(n * hv)
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v {block_v} must be a power of two")
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), block_v)
