@@ -2,6 +2,7 @@
 synthetic rows, the GPU suite's part selection."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,26 @@ def test_replay_drift_report(tmp_path):
     replay_drift.write_report(dict(gpu="GPU", date="d", commit="c", rows=rows), str(tmp_path))
     assert "| gdn | 1000 | 0.01 | 0.002 |" in (tmp_path / "replay_drift.md").read_text()
     assert (tmp_path / "replay_drift.png").stat().st_size > 0
+
+
+import kernel_registers  # noqa: E402
+
+
+def test_kernel_registers_compiles_the_verify_kernel_for_sm90_on_any_machine():
+    """The CPU-side register probe: Triton compiles the replay verify kernel for sm_90a and the wheel's
+    ptxas reports its allocation (what the GPU bench reads from the loaded kernel). Run outside the
+    interpreter these tests use (a compiled kernel, not an interpreted one)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_registers.py"), "--tilings", "32x4",
+                           "--families", "kda"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = proc.stdout.strip().splitlines()[-1].split("|")
+    assert [c.strip() for c in row[1:6]] == ["kda", "float32", "16", "fused", "32x4"]
+    regs, spills = int(row[6]), int(row[7])
+    assert 32 <= regs <= 255 and spills >= 0
+
+
+@pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--histories", "12"]])
+def test_kernel_registers_validates_arguments(bad):
+    with pytest.raises(SystemExit):
+        kernel_registers.main(bad)
