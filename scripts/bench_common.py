@@ -62,6 +62,18 @@ def time_graph(fn, rounds: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def parse_tilings(parser, values: list[str]) -> list[tuple[int, int]]:
+    """``--tilings`` values ``BLOCKVxWARPS`` (e.g. ``128x4``) as ``(block_v, num_warps)`` pairs; a bad
+    value is a ``parser.error`` naming the rule."""
+    try:
+        tilings = [tuple(int(x) for x in t.split("x")) for t in values]
+    except ValueError:
+        parser.error(f"--tilings {' '.join(values)}: each is BLOCKVxWARPS, e.g. 128x4")
+    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16) for t in tilings):
+        parser.error(f"--tilings {' '.join(values)}: block_v a power of two, warps one of 1, 2, 4, 8, 16")
+    return tilings
+
+
 def compiled_resources(jit_fn, fn) -> str:
     """Call ``fn()`` once and name the registers and spills per thread of the ``jit_fn`` variants it
     compiled (``"<regs> regs, <spills> spills"``; ``""`` when it compiled none: an earlier call did).

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, make_inputs,
-                          plot_speedups, time_graph)
+                          parse_tilings, plot_speedups, time_graph)
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -201,12 +201,7 @@ def main(argv=None) -> int:
     bad = [(L, d) for L in args.histories for d in args.draft_tokens if L < d or L not in (8, 16, 32, 64)]
     if bad:
         p.error(f"each history must be one of 8, 16, 32, 64 and >= every draft-token count; bad (L, D): {bad}")
-    try:
-        tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings]
-    except ValueError:
-        p.error(f"--tilings {' '.join(args.tilings)}: each is BLOCKVxWARPS, e.g. 128x4")
-    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16) for t in tilings):
-        p.error(f"--tilings {' '.join(args.tilings)}: block_v a power of two, warps one of 1, 2, 4, 8, 16")
+    tilings = parse_tilings(p, args.tilings)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm

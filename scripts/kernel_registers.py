@@ -20,8 +20,8 @@ import subprocess
 import sys
 import tempfile
 
-FAMILIES = {"gdn": dict(H=16, HV=32), "kda": dict(H=32, HV=32)}  # Qwen3-Next-80B / Kimi-Linear-48B, TP 1
-K = V = 128
+from bench_common import FAMILIES, K, V, parse_tilings
+
 STATE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -39,8 +39,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
                     h0_source=STATE[state_dtype], h0_indices="i32", r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32",
                     r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", rec_indices="i32")
-    consts = dict(**FAMILIES[family], K=K, V=V, BK=K, BV=min(block_v, V), L=history, IS_KDA=is_kda,
-                  BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FUSED_FOLD=fused_fold)
+    consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BK=K, BV=min(block_v, V),
+                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FUSED_FOLD=fused_fold)
     floats = ("softplus_beta", "softplus_threshold", "scale")
     names = kernel.arg_names
     signature = {n: "*" + pointers[n] if n in pointers else "constexpr" if n in consts else
@@ -69,12 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=list(STATE))
     p.add_argument("--fold", nargs="+", default=["fused"], choices=["fused", "separate"])
     args = p.parse_args(argv)
-    try:
-        tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings]
-    except ValueError:
-        p.error(f"--tilings {' '.join(args.tilings)}: each is BLOCKVxWARPS, e.g. 128x4")
-    if any(len(t) != 2 or t[0] < 1 or t[0] & (t[0] - 1) or t[1] not in (1, 2, 4, 8, 16) for t in tilings):
-        p.error(f"--tilings {' '.join(args.tilings)}: block_v a power of two, warps one of 1, 2, 4, 8, 16")
+    tilings = parse_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
     print("| family | state | L | fold | tiling | registers | spill bytes |\n|---|---|---|---|---|---|---|")
