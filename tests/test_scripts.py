@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_compact  # noqa: E402
+import kernel_registers  # noqa: E402
 
 
 def _run(*args, **kw):
@@ -128,16 +129,12 @@ def test_replay_drift_report(tmp_path):
     assert (tmp_path / "replay_drift.png").stat().st_size > 0
 
 
-import kernel_registers  # noqa: E402
-
-
 def test_kernel_registers_compiles_the_verify_kernel_for_sm90_on_any_machine():
     """The CPU-side register probe: Triton compiles the replay verify kernel for sm_90a and the wheel's
     ptxas reports its allocation (what the GPU bench reads from the loaded kernel). Run outside the
     interpreter these tests use (a compiled kernel, not an interpreted one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_registers.py"), "--tilings", "32x4",
-                           "--families", "kda"], capture_output=True, text=True, env=env, timeout=600)
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "32x4", "--families", "kda", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = proc.stdout.strip().splitlines()[-1].split("|")
     assert [c.strip() for c in row[1:6]] == ["kda", "float32", "16", "fused", "32x4"]

@@ -50,8 +50,9 @@ class StateAcceptance:
         if record_indices is None:
             record_indices = torch.arange(n, dtype=torch.int32, device=state_indices.device)
         temporal = self.pool.mamba_cache.temporal
-        accepted = (last_index + 1).to(torch.int32)  # replay's cursor advance, base token included
-        window = self.pool.mode_config.draft_tokens
+        if self.mode == "replay":  # the cursor advance (base token included), once for every layer
+            accepted = (last_index + 1).to(torch.int32)
+            window = self.pool.mode_config.draft_tokens
         for layer in range(self.pool.num_mamba_layers):
             if self.mode == "native":
                 inter = self.pool.mamba_cache.intermediate_ssm[layer]

@@ -146,7 +146,7 @@ def pd_prepare_for_prebuilt(original, self):
     caches the requests in the radix tree and before their first decode."""
     result = original(self)
     pool = getattr(self.req_to_token_pool, "mamba_pool", None)
-    if isinstance(pool, ModeMambaPool) and self.reqs:
+    if isinstance(pool, ModeMambaPool) and pool.replay_rings is not None and self.reqs:
         slots = [req.mamba_pool_idx for req in self.reqs if req.mamba_pool_idx is not None]
         if slots:
             pool.clear_history(torch.stack([torch.as_tensor(s).reshape(()) for s in slots]))
