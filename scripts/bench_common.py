@@ -74,19 +74,20 @@ def parse_tilings(parser, values: list[str]) -> list[tuple[int, int]]:
     return tilings
 
 
-def compiled_resources(jit_fn, fn) -> str:
-    """Call ``fn()`` once and name the registers and spills per thread of the ``jit_fn`` variants it
-    compiled (``"<regs> regs, <spills> spills"``; ``""`` when it compiled none: an earlier call did).
-    Triton reads both from ``ptxas`` when a kernel is loaded; spills mean local-memory traffic."""
-    def variants():
+def compiled_resources(jit_fns: dict, fn) -> str:
+    """Call ``fn()`` once and name the registers and spills per thread of the variants of each of
+    ``jit_fns`` (``{label: Triton JIT function}``) it compiled (``"<label> <regs> regs, <spills> spills"``;
+    ``""`` when it compiled none: an earlier call did). Triton reads both from ``ptxas`` when a kernel is
+    loaded; spills mean local-memory traffic."""
+    def variants(jit_fn):
         caches = getattr(jit_fn, "device_caches", {})  # Triton >= 3.2
         return [k for cache, *_ in caches.values() for k in cache.values()]
 
-    before = {id(k) for k in variants()}
+    before = {label: {id(k) for k in variants(j)} for label, j in jit_fns.items()}
     fn()
     torch.cuda.synchronize()
-    new = [k for k in variants() if id(k) not in before]
-    return "; ".join(f"{getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills" for k in new)
+    return "; ".join(f"{label} {getattr(k, 'n_regs', '?')} regs, {getattr(k, 'n_spills', '?')} spills"
+                     for label, j in jit_fns.items() for k in variants(j) if id(k) not in before[label])
 
 
 def plot_speedups(points: dict, title: str, path: str) -> None:

@@ -39,7 +39,7 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((128, 4), (32, 4)), resources=None):
+def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),), resources=None):
     """Time native and replay (each tiling, fused fold; and the separate fold) for one case; rows.
     ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
     from sglang.srt.layers.attention.fla.fused_recurrent import (
@@ -49,7 +49,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((128, 4)
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
-    from sglang_ssm_modes.ops.replay.verify import replay_verify_kernel
+    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_window_kernel
 
     resources = {} if resources is None else resources
 
@@ -127,14 +127,16 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((128, 4)
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {bv}x{w}", replay_step_fused(bv, w), replay_bytes,
-               f"replay_verify(fused fold, block_v={bv}, num_warps={w}, round_beta={round_beta})+advance(window={d})",
+               f"replay_verify[window+output(fused fold, block_v={bv}, num_warps={w})](round_beta={round_beta})"
+               f"+advance(window={d})",
                replay_per_req) for bv, w in tilings),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
-             f"fold_needed+fold_into_checkpoints(masked)+replay_verify(round_beta={round_beta})+advance",
+             f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
              replay_per_req)):
-        key = (family, dtype_name, history, round_beta, fold)
+        key = (family, dtype_name, history, d, round_beta, fold)
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
-            resources[key] = compiled_resources(replay_verify_kernel, lambda: fn_(0)) or None
+            resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel},
+                                                lambda: fn_(0)) or None
         us = time_graph(fn_, rounds)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
                          history=history if impl_ == "ours-replay" else None, fold=fold, median_us=round(us, 2),
@@ -190,10 +192,10 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--tilings", nargs="+", default=["128x4", "32x4"], metavar="BVxWARPS",
-                   help="replay verify launch tilings to time side by side (block_v x num_warps; the served "
-                        "default picks 128x4 from 128 value heads per launch, 32x4 below; the first listed is "
-                        "plotted), e.g. 128x4 32x4 32x1")
+    p.add_argument("--tilings", nargs="+", default=["32x1"], metavar="BVxWARPS",
+                   help="tilings of replay's output launch to time side by side (block_v x num_warps; the first "
+                        "listed is plotted: list the served default, ops.replay.verify.default_tiling, first), "
+                        "e.g. 32x1 16x1 32x2")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):

@@ -1,13 +1,15 @@
-"""Registers and spills per thread of the replay verify kernel, compiled for an H100/H200 (sm_90a) on
-any machine, GPU or not: Triton compiles the kernel to PTX and the ``ptxas`` shipped in Triton's wheel
-reports what it allocates. A CPU-side loop for kernel work between GPU sessions (the GPU bench reports
-the same figures from the loaded kernels: ``bench_replay.py``'s ``verify kernel`` column; Triton
-versions differ between machines, so compare variants within one run, not across machines).
+"""Registers and spills per thread of the replay verify's two kernels (window and output), compiled for
+an H100/H200 (sm_90a) on any machine, GPU or not: Triton compiles each kernel to PTX and the ``ptxas``
+shipped in Triton's wheel reports what it allocates. A CPU-side loop for kernel work between GPU
+sessions (the GPU bench reports the same figures from the loaded kernels: ``bench_replay.py``'s
+``verify kernel`` column; Triton versions differ between machines, so compare variants within one run,
+not across machines).
 
-    python scripts/kernel_registers.py [--tilings 128x4 32x4] [--histories 16 64] [--families gdn kda]
-        [--state-dtypes float32 bfloat16] [--fold fused separate]
+    python scripts/kernel_registers.py [--tilings 32x1 64x2] [--histories 16 64] [--families gdn kda]
+        [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
 
-Prints a Markdown table (``family, state, L, fold, tiling, registers, spill bytes``).
+Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
+window kernel and of the output kernel).
 """
 
 from __future__ import annotations
@@ -25,22 +27,12 @@ from bench_common import FAMILIES, K, V, parse_tilings
 STATE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, block_v: int,
-                            num_warps: int) -> tuple[int, int]:
-    """``(registers per thread, spill-store bytes)`` of ``replay_verify_kernel`` for one variant (the
-    served constants: bf16 activations, ROUND_BETA for GDN as in decode)."""
+def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int) -> tuple[int, int]:
+    """``(registers per thread, spill-store bytes)`` of one Triton kernel compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sglang_ssm_modes.ops.replay.verify import replay_verify_kernel as kernel
-
-    is_kda = family == "kda"
-    pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
-                    h0_source=STATE[state_dtype], h0_indices="i32", r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32",
-                    r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", rec_indices="i32")
-    consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BK=K, BV=min(block_v, V),
-                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FUSED_FOLD=fused_fold)
     floats = ("softplus_beta", "softplus_threshold", "scale")
     names = kernel.arg_names
     signature = {n: "*" + pointers[n] if n in pointers else "constexpr" if n in consts else
@@ -61,22 +53,52 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     return int(regs.group(1)), int(spills.group(1)) if spills else 0
 
 
+def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, block_v: int,
+                            num_warps: int, draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
+    """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
+    variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
+    (its fixed tiling) and the output kernel (``block_v`` columns on ``num_warps`` warps)."""
+    import triton
+
+    from sglang_ssm_modes.ops.replay.verify import WINDOW_WARPS, replay_output_kernel, replay_window_kernel
+
+    is_kda = family == "kda"
+    tp = triton.next_power_of_2(draft_tokens)
+    shared = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, L=history, TP=tp,
+                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
+    ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
+                r_phase="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
+    window = _ptxas_resources(
+        replay_window_kernel, dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
+        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
+    output = _ptxas_resources(
+        replay_output_kernel, dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype]),
+        dict(shared, V=V, BV=min(block_v, V)), num_warps)
+    return {"window": window, "output": output}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tilings", nargs="+", default=["128x4", "32x4"], metavar="BVxWARPS")
+    p.add_argument("--tilings", nargs="+", default=["32x1", "64x2"], metavar="BVxWARPS",
+                   help="output-kernel tilings: V columns x warps per program")
     p.add_argument("--histories", type=int, nargs="+", default=[16])
     p.add_argument("--families", nargs="+", default=["gdn"], choices=list(FAMILIES))
     p.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=list(STATE))
     p.add_argument("--fold", nargs="+", default=["fused"], choices=["fused", "separate"])
+    p.add_argument("--draft-tokens", type=int, default=4, help="window length D (1 = plain decode)")
     args = p.parse_args(argv)
     tilings = parse_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
-    print("| family | state | L | fold | tiling | registers | spill bytes |\n|---|---|---|---|---|---|---|")
+    if not 1 <= args.draft_tokens <= min(args.histories):
+        p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
+    print("| family | state | L | fold | output tiling | window kernel regs / spills | output kernel regs / spills |\n"
+          "|---|---|---|---|---|---|---|")
     for fam, dt, L, fold, (bv, w) in itertools.product(args.families, args.state_dtypes, args.histories, args.fold,
                                                        tilings):
-        regs, spills = verify_kernel_resources(fam, dt, L, fold == "fused", bv, w)
-        print(f"| {fam} | {dt} | {L} | {fold} | {bv}x{w} | {regs} | {spills} |", flush=True)
+        res = verify_kernel_resources(fam, dt, L, fold == "fused", bv, w, args.draft_tokens)
+        print(f"| {fam} | {dt} | {L} | {fold} | {bv}x{w} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
+              flush=True)
     return 0
 
 

@@ -8,10 +8,21 @@ gate broadcast) and normalised ``k``, scaled ``q``::
     u_t = beta_t [v_t - S0 (e^{G_t} * k_t) - sum_{j<t} u_j ((k_j * e^{G_t - G_j}) . k_t)]
     o_t = S0 (e^{G_t} * q_t) + sum_{j<=t} u_j ((k_j * e^{G_t - G_j}) . q_t)
 
-The checkpoint is read once per program; the history is read from the ring (records before the
-cursor, as one block reduced in parallel) and, for the window's own earlier tokens, from this launch's
-inputs (keys, gates) and this program's own ``u`` stores. A request whose window would overflow is
-folded in the same launch. Outputs agree with native to float32 rounding (another summation order).
+Two launches split the work by the axis it runs over:
+
+* :func:`replay_window_kernel` (one program per request and value head) does everything that runs
+  over K: the window's gates, normalised keys and queries, the decayed projections ``e^{G_t} * k_t``,
+  ``e^{G_t} * q_t``, and the scalar coefficients ``(k_j * e^{G_t - G_j}) . k_t`` (and ``. q_t``) of
+  every history record and earlier window token — reading the history's keys once per head — and
+  appends the window's key-side records (normalised and raw k, g, beta);
+* :func:`replay_output_kernel` (one program per ``BV`` value columns, as SGLang's native decode) reads
+  its checkpoint tile and its columns of the history's ``u``, solves the window's ``u`` and outputs with
+  those coefficients, and appends the value-side records (``u``, raw v). A request whose window would
+  overflow is folded here, tile by tile, in the same launch.
+
+The checkpoint, by far the largest read, is read once, by programs as small as native's, without the
+history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
+(another summation order).
 """
 
 from __future__ import annotations
@@ -20,48 +31,57 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import gate_vector, l2normalize, store_raw_record
+from ..delta_rule_step import gate_vector, l2normalize
 from .fold import replay_records
 from .ring import ReplayRing
 
 
+@triton.jit
+def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.constexpr, FUSED_FOLD: tl.constexpr):
+    """``(idx, r, valid, count, phase, fold)`` of request ``i_n`` as both launches see them: checkpoint
+    slot, record slot, whether the row is real (both non-negative), the history's length and half, after a
+    fused fold of an overflowing window (``count + T > L``: ``count = 0``, ``phase ^= 1``; the cursor in
+    memory is settled later by :func:`~.ring.advance`)."""
+    idx = tl.load(h0_indices + i_n).to(tl.int64)
+    r = tl.load(rec_indices + i_n).to(tl.int64)
+    valid = (idx >= 0) & (r >= 0)
+    r_safe = tl.maximum(r, 0)
+    c = tl.where(valid, tl.load(r_count + r_safe), 0)
+    phase = tl.load(r_phase + r_safe)
+    if FUSED_FOLD:
+        fold = valid & (c + T > L)
+    else:
+        fold = valid & False
+    c = tl.where(fold, 0, c)
+    phase = tl.where(fold, 1 - phase, phase)
+    return idx, r_safe, valid, c, phase, fold
+
+
 @triton.jit(do_not_specialize=["T"])
-def replay_verify_kernel(
-    A_log, a, dt_bias, q, k, v, b, o,
-    h0_source, h0_indices,
-    r_u, r_kn, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices,
+def replay_window_kernel(
+    A_log, a, dt_bias, q, k, b, proj, h0_indices,
+    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
     softplus_beta, softplus_threshold, scale, T,
-    stride_a, stride_q, stride_k, stride_v, stride_b,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
-    ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+    stride_a, stride_q, stride_k, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
+    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV)``; T tokens per request (``q, k`` ``[1, N*T, H, K]``, ``v``
-    ``[1, N*T, HV, V]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``, ``o`` like v).
-    ``h0_source`` ``[slots, HV, V, K]``: checkpoints at ``h0_indices`` ``[N]``; ring buffers
-    (:class:`ReplayRing`, 2·L records per slot, L a power of two) at ``rec_indices`` ``[N]``. A row
-    with a negative slot or record index (padding) reads no history and writes nothing.
-
-    ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
-    replayed into its checkpoint tile by this program (the fold's exact recurrence, rounded once and
-    stored), and continues with an empty history in the ring's other half; the cursor itself is
-    settled by :func:`~.ring.advance` with ``window=T`` (every program of a request reads the same
-    cursor here). Without it the caller has folded (``count + T <= L``).
-
-    The committed history is loaded as one ``[L, BK]`` block of keys and ``[L, BV]`` block of ``u``
-    and reduced in parallel; the window's own earlier tokens come from this launch's inputs and this
-    program's own ``u`` stores. Records of token t go to ring position ``phase * L + count + t``.
-    """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
+    ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
+    ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
+    ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
+    ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
+    and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
+    k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
+    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
+    i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = i_n * T
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = tl.arange(0, K)
     o_l = tl.arange(0, L)
+    o_t = tl.arange(0, TP)
     mask_k = o_k < K
-    mask_v = o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
     p_A_log = A_log + i_hv
     if IS_KDA:
         p_dt_bias = dt_bias + i_hv * K + o_k
@@ -69,138 +89,192 @@ def replay_verify_kernel(
     else:
         p_dt_bias = dt_bias + i_hv
         p_a0 = a + bos * stride_a + i_hv
-    p_k0 = k + bos * stride_k + i_h * K + o_k
     p_b0 = b + bos * stride_b + i_hv
+    _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    rec0 = r * 2 * L + phase.to(tl.int64) * L
 
-    idx = tl.load(h0_indices + i_n).to(tl.int64)
-    r = tl.load(rec_indices + i_n).to(tl.int64)
-    valid = (idx >= 0) & (r >= 0)
-    b_s0 = tl.zeros([BK, BV], dtype=tl.float32)
-    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
-    if idx >= 0:
-        b_s0 += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
-    r_safe = tl.maximum(r, 0)
-    c = tl.where(valid, tl.load(r_count + r_safe), 0)
-    phase = tl.load(r_phase + r_safe)
-    if FUSED_FOLD:
-        if valid & (c + T > L):
-            b_s0 = replay_records(b_s0, r_g, r_beta, r_kraw, r_vraw, r_safe * 2 * L + phase.to(tl.int64) * L, c,
-                                  i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
-            tl.store(p_h0, b_s0.to(p_h0.dtype.element_ty), mask=mask_h)
-            b_s0 = b_s0.to(p_h0.dtype.element_ty).to(tl.float32)
-            c = c * 0
-            phase = 1 - phase
-    rec0 = r_safe * 2 * L + phase.to(tl.int64) * L
-
-    # the committed history, at once: keys decayed to the end of the history, u, total log-decay Gc
+    # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
     p_rec = rec0 + o_l
     if IS_KDA:
-        b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None] & mask_k[None, :],
-                       other=0)
+        b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
         b_Gc = tl.sum(b_gh, 0)
         b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
     else:
         b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
         b_gsum = tl.sum(b_gh, 0)
-        b_Gc = tl.zeros([BK], dtype=tl.float32) + b_gsum
+        b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
         b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
-    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None] & mask_k[None, :], other=0)
+    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
     b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
-    b_uh = tl.load(r_u + (p_rec[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_l[:, None] & mask_v[None, :],
-                   other=0)
 
     b_Gt = b_Gc
-    b_Gw = tl.zeros([BK], dtype=tl.float32)  # log-decay of the window so far
-    writes_k = (i_v == 0) & (i_hv % (HV // H) == 0)
+    b_Gw = tl.zeros([K], dtype=tl.float32)  # log-decay of the window so far
+    b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
+    b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
+    writes_k = i_hv % (HV // H) == 0
     for t in range(0, T):
         b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
-                                         softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
+                                         softplus_beta, softplus_threshold, K, IS_KDA, BETA_ACTIVATED)
         if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
             b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
-        b_k_raw = tl.load(p_k0 + t * stride_k, mask=mask_k, other=0)
-        b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
+        b_k_raw = tl.load(k + (bos + t) * stride_k + i_h * K + o_k)
         b_k = l2normalize(b_k_raw.to(tl.float32))
-        b_q = l2normalize(tl.load(q + (bos + t) * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32))
-        b_q = b_q * scale
+        b_q = l2normalize(tl.load(q + (bos + t) * stride_q + i_h * K + o_k).to(tl.float32)) * scale
         b_Gt += b_gv
         b_Gw += b_gv
         b_e = tl.exp(b_Gt)
-        s0k = tl.sum(b_s0 * (b_e * b_k)[:, None], 0)
-        s0q = tl.sum(b_s0 * (b_e * b_q)[:, None], 0)
         b_ew = tl.exp(b_Gw)
-        acc_k = tl.sum(b_uh * tl.sum(b_kh * (b_ew * b_k)[None, :], 1)[:, None], 0)
-        acc_q = tl.sum(b_uh * tl.sum(b_kh * (b_ew * b_q)[None, :], 1)[:, None], 0)
-        b_Gj = tl.zeros([BK], dtype=tl.float32)
-        for j in range(0, tl.where(valid, t, 0)):  # the window's earlier tokens
-            _, b_gj, _ = gate_vector(p_A_log, p_a0 + j * stride_a, p_dt_bias, p_b0 + j * stride_b, mask_k,
-                                     softplus_beta, softplus_threshold, BK, IS_KDA, BETA_ACTIVATED)
-            b_Gj += b_gj
-            b_kd = l2normalize(tl.load(p_k0 + j * stride_k, mask=mask_k, other=0).to(tl.float32)) * tl.exp(b_Gw - b_Gj)
-            b_uj = tl.load(r_u + ((rec0 + c + j) * HV + i_hv) * V + o_v, mask=mask_v, other=0)
-            acc_k += b_uj * tl.sum(b_kd * b_k)
-            acc_q += b_uj * tl.sum(b_kd * b_q)
+        b_kd = b_kw * tl.exp(b_Gw[None, :] - b_Gws)
+        p_row = proj + ((bos + t) * HV + i_hv) * W
+        tl.store(p_row + o_k, b_e * b_k)
+        tl.store(p_row + K + o_k, b_e * b_q)
+        tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1))
+        tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1))
+        tl.store(p_row + 2 * K + 2 * L + o_t, tl.where(o_t < t, tl.sum(b_kd * b_k[None, :], 1), 0))
+        tl.store(p_row + 2 * K + 2 * L + TP + o_t,
+                 tl.where(o_t < t, tl.sum(b_kd * b_q[None, :], 1), tl.where(o_t == t, tl.sum(b_k * b_q), 0)))
+        tl.store(p_row + 2 * K + 2 * L + 2 * TP, b_beta)
+        b_kw = tl.where(o_t[:, None] == t, b_k[None, :], b_kw)
+        b_Gws = tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws)
+        if valid:
+            pos = rec0 + c + t
+            if writes_k:
+                tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k)
+                tl.store(r_kraw + (pos * H + i_h) * K + o_k, b_k_raw)
+            if IS_KDA:
+                tl.store(r_g + (pos * HV + i_hv) * K + o_k, b_g)
+            else:
+                tl.store(r_g + pos * HV + i_hv, b_g)
+            tl.store(r_beta + pos * HV + i_hv, b_beta)
+
+
+@triton.jit(do_not_specialize=["T"])
+def replay_output_kernel(
+    v, o, proj, h0_source, h0_indices,
+    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, T, stride_v,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
+    the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
+    ``h0_indices`` ``[N]``, one ``[K, BV]`` tile per program, read once. A row with a negative slot or
+    record index (padding) reads no history and writes nothing but its outputs.
+
+    ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
+    replayed into its checkpoint tile (the fold's exact recurrence from the raw records, rounded once and
+    stored) and continues with an empty history in the ring's other half. Per token t:
+    ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
+    sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_n * T
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_l = tl.arange(0, L)
+    o_t = tl.arange(0, TP)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+
+    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    b_s0 = tl.zeros([K, BV], dtype=tl.float32)
+    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
+    if idx >= 0:
+        b_s0 += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+    rec0 = r * 2 * L + phase.to(tl.int64) * L
+    if fold:  # the full history sits in the other half
+        b_s0 = replay_records(b_s0, r_g, r_beta, r_kraw, r_vraw, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                              tl.load(r_count + r), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
+        tl.store(p_h0, b_s0.to(p_h0.dtype.element_ty), mask=mask_h)
+        b_s0 = b_s0.to(p_h0.dtype.element_ty).to(tl.float32)
+
+    b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
+                   mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
+    b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
+    for t in range(0, T):
+        p_row = proj + ((bos + t) * HV + i_hv) * W
+        b_ke = tl.load(p_row + o_k)
+        b_qe = tl.load(p_row + K + o_k)
+        b_chk = tl.load(p_row + 2 * K + o_l)
+        b_chq = tl.load(p_row + 2 * K + L + o_l)
+        b_cwk = tl.load(p_row + 2 * K + 2 * L + o_t)
+        b_cwq = tl.load(p_row + 2 * K + 2 * L + TP + o_t)
+        b_kq = tl.load(p_row + 2 * K + 2 * L + TP + t)
+        b_beta = tl.load(p_row + 2 * K + 2 * L + 2 * TP)
+        b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
+        s0k = tl.sum(b_s0 * b_ke[:, None], 0)
+        s0q = tl.sum(b_s0 * b_qe[:, None], 0)
+        acc_k = tl.sum(b_uh * b_chk[:, None], 0) + tl.sum(b_uw * b_cwk[:, None], 0)
+        acc_q = tl.sum(b_uh * b_chq[:, None], 0) + tl.sum(b_uw * b_cwq[:, None], 0)  # row t of b_uw is still 0
         b_u = b_beta * (b_v_raw.to(tl.float32) - s0k - acc_k)
-        b_o = s0q + acc_q + b_u * tl.sum(b_k * b_q)
+        b_o = s0q + acc_q + b_u * b_kq
         tl.store(o + ((bos + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        b_uw = tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
         if valid:
             pos = rec0 + c + t
             tl.store(r_u + (pos * HV + i_hv) * V + o_v, b_u, mask=mask_v)
-            if writes_k:
-                tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k, mask=mask_k)
-            store_raw_record(r_kraw, r_vraw, r_g, r_beta, pos, i_h, i_hv, i_v == 0, writes_k, o_k, o_v, mask_k,
-                             mask_v, b_k_raw, b_v_raw, b_g, b_beta, H, HV, K, V, IS_KDA)
-        tl.debug_barrier()  # this program reads its own u stores back for the next token
+            tl.store(r_vraw + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
 
 
-def default_block_v(value_heads: int) -> int:
-    """V columns per program for a launch over ``value_heads`` (requests × value heads): a whole
-    128-column head per program once there are enough heads to fill the GPU (the history block is then
-    loaded and reduced once per head), 32 columns below that (more programs for a small batch)."""
-    return 128 if value_heads >= 128 else 32
+WINDOW_WARPS = 4  # warps of a window program (one request and value head: [L, K] and [TP, K] blocks)
+
+
+def default_tiling(value_heads: int) -> tuple[int, int]:
+    """``(block_v, num_warps)`` of the output launch over ``value_heads`` (requests × value heads):
+    SGLang's native decode tiling, 32 columns on one warp."""
+    return 32, 1
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                  block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
-    ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``.
+    ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
+    (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
+    ``T_all * HV * (2K + 2L + 2TP + 1)`` floats.
 
     ``fused_fold`` (default): requests whose window would overflow the history (``count + T > L``)
-    are folded inside this launch; the caller then settles the cursor with
-    ``advance(ring, record_indices, accepted, window=T)`` — one launch for the outputs, one for the
-    cursor, whatever the batch's fold pattern. Otherwise the caller folds first
-    (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`). ``round_beta`` rounds
-    sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a replay decode, once
-    folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per program) and
-    ``num_warps`` tile the launch: outputs, checkpoints and raw records are the same bits for every
-    tiling (the ``u`` records to float32 rounding). Default (:func:`default_block_v`): one program per
-    value head when the batch has at least 128 value heads, else 32 columns per program — the fastest
-    tilings measured on the H200 (``bench/results/replay/tilings_20261203`` and ``small_batch_20261203``).
-    Returns ``o`` ``[1, T_all, HV, V]``.
+    are folded inside the output launch; the caller then settles the cursor with
+    ``advance(ring, record_indices, accepted, window=T)`` — whatever the batch's fold pattern. Otherwise
+    the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
+    ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
+    replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
+    program) and ``num_warps`` tile the output launch (default :func:`default_tiling`): outputs,
+    checkpoints and records are the same bits for every tiling. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
     if t_all % n:
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
-    if t_all // n > ring.history:
-        raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    if block_v is None:
-        block_v = default_block_v(n * hv)
-    if block_v < 1 or block_v & (block_v - 1):
-        raise ValueError(f"block_v {block_v} must be a power of two")
-    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), block_v)
-    if BK != kdim:
+    T = t_all // n
+    if T > ring.history:
+        raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
+    bv, warps = default_tiling(n * hv)
+    bv, warps = block_v or bv, num_warps or warps
+    if bv < 1 or bv & (bv - 1):
+        raise ValueError(f"block_v {bv} must be a power of two")
+    if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
+    L, TP = ring.history, triton.next_power_of_2(T)
+    W = 2 * kdim + 2 * L + 2 * TP + 1
+    proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
+    scale = kdim ** -0.5 if scale is None else scale
+    replay_window_kernel[(n * hv,)](
+        A_log, a, dt_bias, q, k, b, proj, state_indices,
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
+        1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
+        H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
+        FUSED_FOLD=fused_fold, num_warps=WINDOW_WARPS, num_stages=1)
     o = q.new_empty(1, t_all, hv, vdim)
-    replay_verify_kernel[(triton.cdiv(vdim, BV), n * hv)](
-        A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
-        ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices,
-        1.0, 20.0, kdim ** -0.5 if scale is None else scale, t_all // n,
-        a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
-        H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-        ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, num_warps=num_warps, num_stages=2)
+    BV = min(triton.next_power_of_2(vdim), bv)
+    replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
+        v, o, proj, checkpoints, state_indices,
+        ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices, T, v.stride()[1],
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, IS_KDA=is_kda, FUSED_FOLD=fused_fold,
+        num_warps=warps, num_stages=2)
     return o
