@@ -62,6 +62,29 @@ def time_graph(fn, rounds: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def kernel_times(fn, rounds: int, names: dict) -> dict:
+    """Device µs per round of each kernel ``fn(r)`` launches (r in 0..rounds-1, eager, after one warm-up
+    pass), read from the CUDA profiler: ``{label: µs}`` for each kernel whose name contains a key of
+    ``names`` (``{substring: label}``; others are summed under ``"other"``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in range(rounds):
+        fn(r)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(rounds):
+            fn(r)
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.key.startswith(("cuda", "Memcpy", "Memset")) and "kernel" not in ev.key.lower():
+            continue
+        label = next((lab for sub, lab in names.items() if sub in ev.key), "other")
+        out[label] = round(out.get(label, 0.0) + us / rounds, 2)
+    return out
+
+
 def parse_tilings(parser, values: list[str]) -> list[tuple[int, int]]:
     """``--tilings`` values ``BLOCKVxWARPS`` (e.g. ``128x4``) as ``(block_v, num_warps)`` pairs; a bad
     value is a ``parser.error`` naming the rule."""

@@ -28,8 +28,12 @@ import sys
 
 import torch
 
-from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, make_inputs,
-                          parse_tilings, plot_speedups, time_graph)
+from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, kernel_times,
+                          make_inputs, parse_tilings, plot_speedups, time_graph)
+
+KERNELS = {"replay_window": "window", "replay_output": "output", "advance": "advance", "replay_fold": "fold",
+           "packed_decode": "decode", "fused_sigmoid_gating": "verify", "verify_window": "verify",
+           "scatter": "scatter"}
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -72,10 +76,11 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
-    def replay_step_fused(block_v, warps):  # as served: the fold inside the verify launch, the cursor after
+    def replay_step_fused(block_v, warps, unroll=True):  # as served: the fold inside the verify launch, the cursor after
         def step(r):
             replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                          groups[r], is_kda=is_kda, round_beta=round_beta, block_v=block_v, num_warps=warps)
+                          groups[r], is_kda=is_kda, round_beta=round_beta, block_v=block_v, num_warps=warps,
+                          unroll=unroll)
             advance(ring, groups[r], accepted, window=d)
         return step
 
@@ -130,6 +135,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
                f"replay_verify[window+output(fused fold, block_v={bv}, num_warps={w})](round_beta={round_beta})"
                f"+advance(window={d})",
                replay_per_req) for bv, w in tilings),
+            ("ours-replay", f"fused {tilings[0][0]}x{tilings[0][1]} loop", replay_step_fused(*tilings[0], False),
+             replay_bytes, "loop", replay_per_req),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
              replay_per_req)):
@@ -138,11 +145,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel},
                                                 lambda: fn_(0)) or None
         us = time_graph(fn_, rounds)
+        parts = kernel_times(fn_, rounds, KERNELS)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
                          history=history if impl_ == "ours-replay" else None, fold=fold, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path=path_,
-                         verify_kernel_resources=resources.get(key)))
+                         verify_kernel_resources=resources.get(key), kernel_us=parts))
     del pool, ring
     torch.cuda.empty_cache()
     return rows
@@ -165,14 +173,17 @@ def write_report(result, out_dir):
              "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
              "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
              "(`separate`).", "",
+             "Kernels: device µs per step of each launch (CUDA profiler, eager), beside the CUDA-graph median.", "",
              "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
-             "| verify kernel |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| replay kernels µs | verify kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"], r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
-                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | {r.get('verify_kernel_resources') or ''} |")
+                     f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | "
+                     + " + ".join(f"{k} {u:.1f}" for k, u in (r.get("kernel_us") or {}).items())
+                     + f" | {r.get('verify_kernel_resources') or ''} |")
     with open(os.path.join(out_dir, "replay_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}

@@ -65,7 +65,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
     shared = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, L=history, TP=tp,
-                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
+                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold, UNROLL=True)
     ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
                 r_phase="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(

@@ -90,12 +90,13 @@ def test_bench_replay_report_from_rows(tmp_path):
     rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, fold=None, median_us=140.0,
                  frac_copy_bw=0.9),
             dict(base, op="decode", impl="ours-replay", history=16, fold="fused 32x4", median_us=100.0, frac_copy_bw=0.7,
-                 verify_kernel_resources="168 regs, 0 spills"),
+                 verify_kernel_resources="168 regs, 0 spills", kernel_us={"window": 20.0, "output": 78.5}),
             dict(base, op="decode", impl="ours-replay", history=16, fold="separate", median_us=175.0, frac_copy_bw=0.4),
             dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0, frac_copy_bw=0.7)]
     bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
-    assert "| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 | 168 regs, 0 spills |" in table
+    assert ("| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 | window 20.0 + output 78.5 "
+            "| 168 regs, 0 spills |") in table
     assert "| kda | float32 | 1 | 16 | 128 | separate | 140.0 | 175.0 | 0.80× |" in table
     assert "| kda | float32 | 1 | 32 | 128 | fused 32x4 | 140.0 | 112.0 | 1.25× |" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
