@@ -43,8 +43,9 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),), resources=None):
-    """Time native and replay (each tiling, fused fold; and the separate fold) for one case; rows.
+def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1", {}),), resources=None):
+    """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
+    the separate fold) for one case; rows.
     ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
     from sglang.srt.layers.attention.fla.fused_recurrent import (
         fused_recurrent_gated_delta_rule_packed_decode, fused_recurrent_kda_packed_decode)
@@ -76,11 +77,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
-    def replay_step_fused(block_v, warps, unroll=True):  # as served: the fold inside the verify launch, the cursor after
+    def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
         def step(r):
             replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                          groups[r], is_kda=is_kda, round_beta=round_beta, block_v=block_v, num_warps=warps,
-                          unroll=unroll)
+                          groups[r], is_kda=is_kda, round_beta=round_beta, **variant)
             advance(ring, groups[r], accepted, window=d)
         return step
 
@@ -131,12 +131,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
     replay_per_req = state_bytes + 2 * history * rec + 8
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
-            *(("ours-replay", f"fused {bv}x{w}", replay_step_fused(bv, w), replay_bytes,
-               f"replay_verify[window+output(fused fold, block_v={bv}, num_warps={w})](round_beta={round_beta})"
-               f"+advance(window={d})",
-               replay_per_req) for bv, w in tilings),
-            ("ours-replay", f"fused {tilings[0][0]}x{tilings[0][1]} loop", replay_step_fused(*tilings[0], False),
-             replay_bytes, "loop", replay_per_req),
+            *(("ours-replay", f"fused {name}", replay_step_fused(variant), replay_bytes,
+               f"replay_verify[window+output](fused fold, {variant}, round_beta={round_beta})+advance(window={d})",
+               replay_per_req) for name, variant in variants),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
              replay_per_req)):
@@ -154,6 +151,27 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, tilings=((32, 1),
     del pool, ring
     torch.cuda.empty_cache()
     return rows
+
+
+def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
+    """``--variants`` values as ``(name, replay_verify keyword arguments)``; a bad value is a
+    ``parser.error`` naming the rule."""
+    out = []
+    for value in values:
+        tiling, *opts = value.split(":")
+        (bv, warps), = parse_tilings(parser, [tiling])
+        kw = dict(block_v=bv, num_warps=warps)
+        for opt in opts:
+            if opt in ("fma", "dot"):
+                kw["dot"] = opt == "dot"
+            elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
+                kw["window_warps"] = int(opt[1:])
+            else:
+                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot")
+        if kw.get("dot") and bv < 16:
+            parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
+        out.append((value, kw))
+    return out
 
 
 def rows_fold_served(rows) -> str:
@@ -203,10 +221,11 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--tilings", nargs="+", default=["32x1"], metavar="BVxWARPS",
-                   help="tilings of replay's output launch to time side by side (block_v x num_warps; the first "
-                        "listed is plotted: list the served default, ops.replay.verify.default_tiling, first), "
-                        "e.g. 32x1 16x1 32x2")
+    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot]",
+                   help="replay launch variants to time side by side: the output launch's tiling (block_v x "
+                        "num_warps), optionally the window launch's warps (:w2) and the S0 projections on CUDA "
+                        "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1). The first listed is "
+                        "plotted: list the served default (ops.replay.verify) first. E.g. 16x1 16x1:w2 32x1:fma")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
@@ -214,7 +233,7 @@ def main(argv=None) -> int:
     bad = [(L, d) for L in args.histories for d in args.draft_tokens if L < d or L not in (8, 16, 32, 64)]
     if bad:
         p.error(f"each history must be one of 8, 16, 32, 64 and >= every draft-token count; bad (L, D): {bad}")
-    tilings = parse_tilings(p, args.tilings)
+    variants = parse_variants(p, args.variants)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm
@@ -227,7 +246,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     resources = {}
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw, tilings, resources)
+        new = bench_case(*case, bw, variants, resources)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
         result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==

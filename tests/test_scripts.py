@@ -72,11 +72,20 @@ import bench_replay  # noqa: E402
 
 
 @pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
-                                 ["--draft-tokens", "0"], ["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x3"]])
+                                 ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
+                                 ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
+                                 ["--variants", "8x1:dot"]])
 def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
     with pytest.raises(SystemExit) as exc:
         bench_replay.main(["--out", "/tmp/unused", *bad])
     assert exc.value.code == 2
+
+
+def test_bench_replay_variants_name_the_launch_options():
+    p = bench_replay.argparse.ArgumentParser()
+    assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot"]) == [
+        ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
+        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

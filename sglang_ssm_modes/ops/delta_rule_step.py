@@ -52,19 +52,45 @@ def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
 
 
 @triton.jit
+def load_record(rec_k, rec_v, rec_g, rec_beta, pos, live, i_h, i_hv, o_k, o_v, mask_k, mask_v, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """The stored inputs of one token at record position ``pos`` of ``[*, H, K]`` raw keys, ``[*, HV, V]``
+    raw values, ``[*, HV(, K)]`` gates and ``[*, HV]`` betas (compact records and replay rings share this
+    layout): ``(raw k, raw v, g, beta)``, zeros where ``live`` is false (a prefetch past the end)."""
+    b_k = tl.load(rec_k + (pos * H + i_h) * K + o_k, mask=mask_k & live, other=0)
+    b_v = tl.load(rec_v + (pos * HV + i_hv) * V + o_v, mask=mask_v & live, other=0)
+    b_beta = tl.load(rec_beta + pos * HV + i_hv, mask=live, other=0)
+    if IS_KDA:
+        b_g = tl.load(rec_g + (pos * HV + i_hv) * K + o_k, mask=mask_k & live, other=0)
+    else:
+        b_g = tl.load(rec_g + pos * HV + i_hv, mask=live, other=0)
+    return b_k, b_v, b_g, b_beta
+
+
+@triton.jit
 def apply_record(b_h, rec_k, rec_v, rec_g, rec_beta, pos, i_h, i_hv, o_k, o_v, mask_k, mask_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
-    """One token of the native recurrence from a stored record at position ``pos`` of ``[*, H, K]`` raw
-    keys (re-normalised here), ``[*, HV, V]`` raw values, ``[*, HV(, K)]`` gates and ``[*, HV]`` betas
-    (compact records and replay rings share this layout). Returns the new float32 tile."""
-    b_k = l2normalize(tl.load(rec_k + (pos * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32))
-    b_v = tl.load(rec_v + (pos * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-    b_beta = tl.load(rec_beta + pos * HV + i_hv)
-    if IS_KDA:
-        b_g = tl.load(rec_g + (pos * HV + i_hv) * K + o_k, mask=mask_k, other=0)
-    else:
-        b_g = tl.load(rec_g + pos * HV + i_hv)
-    return delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
+    """One token of the native recurrence from a stored record at position ``pos`` (:func:`load_record`;
+    the raw key re-normalised here). Returns the new float32 tile."""
+    b_k, b_v, b_g, b_beta = load_record(rec_k, rec_v, rec_g, rec_beta, pos, True, i_h, i_hv, o_k, o_v, mask_k,
+                                        mask_v, H, HV, K, V, IS_KDA)
+    return delta_rule_update(b_h, l2normalize(b_k.to(tl.float32)), b_v.to(tl.float32), b_g, b_beta, IS_KDA)
+
+
+@triton.jit
+def apply_records(b_h, rec_k, rec_v, rec_g, rec_beta, pos0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
+    """The native recurrence over the consecutive records ``pos0 .. pos0 + n_rec`` on a float32 ``[BK, BV]``
+    tile, each record's loads issued one step ahead (the recurrence is sequential; its inputs are not), so
+    a step waits on arithmetic, not on memory. Same ops, same result as :func:`apply_record` in a loop."""
+    n_k, n_v, n_g, n_beta = load_record(rec_k, rec_v, rec_g, rec_beta, pos0, n_rec > 0, i_h, i_hv, o_k, o_v, mask_k,
+                                        mask_v, H, HV, K, V, IS_KDA)
+    for j in range(0, n_rec):
+        b_k, b_v, b_g, b_beta = n_k, n_v, n_g, n_beta
+        n_k, n_v, n_g, n_beta = load_record(rec_k, rec_v, rec_g, rec_beta, pos0 + j + 1, j + 1 < n_rec, i_h, i_hv,
+                                            o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
+        b_h = delta_rule_update(b_h, l2normalize(b_k.to(tl.float32)), b_v.to(tl.float32), b_g, b_beta, IS_KDA)
+    return b_h
 
 
 @triton.jit

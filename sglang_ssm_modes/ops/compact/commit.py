@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_record, tree_ancestors
+from ..delta_rule_step import apply_record, apply_records, tree_ancestors
 from .records import CompactRecordBuffers
 
 
@@ -46,19 +46,17 @@ def compact_commit_kernel(
         p_h0 = h0_source + idx * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
-        o_d = tl.arange(0, NP2_D)
-        depth = last
-        if IS_TREE:  # the accepted path: ancestors of the last accepted node
+        if IS_TREE:  # the accepted path: ancestors of the last accepted node, rounded after every step
+            o_d = tl.arange(0, NP2_D)
             anc, depth = tree_ancestors(parents + i_n * stride_parents_seq, stride_parents_tok, last, D, NP2_D)
-        for jj in range(0, depth + 1):
-            if IS_TREE:
+            for jj in range(0, depth + 1):
                 t = tl.sum(tl.where(o_d == depth - jj, anc, 0))
-            else:
-                t = jj
-            b_h = apply_record(b_h, rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                               H, HV, K, V, IS_KDA)
-            if IS_TREE:
+                b_h = apply_record(b_h, rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, o_k, o_v, mask_k,
+                                   mask_v, H, HV, K, V, IS_KDA)
                 b_h = b_h.to(h0_source.dtype.element_ty).to(tl.float32)
+        else:  # the accepted prefix, rounded once
+            b_h = apply_records(b_h, rec_k, rec_v, rec_g, rec_beta, r * D, last + 1, i_h, i_hv, o_k, o_v, mask_k,
+                                mask_v, H, HV, K, V, IS_KDA)
         p_dst = dst + di * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
         tl.store(p_dst, b_h.to(p_dst.dtype.element_ty), mask=mask_h)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_record
+from ..delta_rule_step import apply_records
 from .ring import ReplayRing, after_fold
 
 
@@ -24,10 +24,8 @@ def replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k
     """The native recurrence over ring records ``rec0 .. rec0 + n_rec`` (raw k re-normalised, raw v,
     stored g and beta) on one float32 ``[BK, BV]`` state tile; returns the advanced tile (the fold's
     body, shared by :func:`replay_fold_kernel` and the verify kernel's fused fold)."""
-    for j in range(0, n_rec):
-        b_h = apply_record(b_h, r_kraw, r_vraw, r_g, r_beta, rec0 + j, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                           H, HV, K, V, IS_KDA)
-    return b_h
+    return apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                         H, HV, K, V, IS_KDA)
 
 
 @triton.jit

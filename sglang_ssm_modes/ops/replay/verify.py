@@ -65,7 +65,6 @@ def replay_window_kernel(
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
     """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
     ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
@@ -114,20 +113,12 @@ def replay_window_kernel(
     b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
     b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
     writes_k = i_hv % (HV // H) == 0
-    if UNROLL:
-        for t in tl.static_range(TP):
-            b_Gt, b_Gw, b_kw, b_Gws = window_token(
-                t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
-                r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
-                stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-                ROUND_BETA)
-    else:
-        for t in range(0, T):
-            b_Gt, b_Gw, b_kw, b_Gws = window_token(
-                t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
-                r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
-                stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-                ROUND_BETA)
+    for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
+        b_Gt, b_Gw, b_kw, b_Gws = window_token(
+            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
+            r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
+            stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
+            ROUND_BETA)
 
 
 @triton.jit
@@ -139,7 +130,8 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     """Token t of the window launch (``live``: t < T): its gate, normalised key and query, projection row
     and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays)``."""
     mask_k = (o_k < K) & live
-    b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t * stride_a, p_dt_bias, p_b0 + t * stride_b, mask_k,
+    t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's gate, stores nothing
+    b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t_in * stride_a, p_dt_bias, p_b0 + t_in * stride_b, mask_k,
                                     softplus_beta, softplus_threshold, K, IS_KDA, BETA_ACTIVATED)
     if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
         b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
@@ -178,8 +170,8 @@ def replay_output_kernel(
     v, o, proj, h0_source, h0_indices,
     r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    UNROLL: tl.constexpr,
+    L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -218,26 +210,34 @@ def replay_output_kernel(
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
     b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
-    if UNROLL:
-        for t in tl.static_range(TP):
-            b_uw = output_token(t, t < T, b_s0, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid, stride_v,
-                                o_k, o_v, o_l, o_t, mask_v, HV, K, V, L, TP, W)
-    else:
-        for t in range(0, T):
-            b_uw = output_token(t, t < T, b_s0, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid, stride_v,
-                                o_k, o_v, o_l, o_t, mask_v, HV, K, V, L, TP, W)
+    o_p = tl.arange(0, NP)
+    b_sp = tl.zeros([BV, NP], dtype=tl.float32)
+    if DOT:  # every S0 projection at once on tensor cores: [BV, K] x [K, NP], columns ke_0.., qe_0..
+        tok = tl.where(o_p < TP, o_p, o_p - TP)
+        m_p = (o_p < 2 * TP) & (tok < T)
+        b_p = tl.load(proj + ((bos + tok)[:, None] * HV + i_hv) * W + tl.where(o_p < TP, 0, K)[:, None] + o_k[None, :],
+                      mask=m_p[:, None], other=0)
+        b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), input_precision="tf32x3")
+    for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
+        b_uw = output_token(t, t < T, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid,
+                            stride_v, o_k, o_v, o_l, o_t, o_p, mask_v, HV, K, V, L, TP, W, DOT)
 
 
 @triton.jit
-def output_token(t, live, b_s0, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_k, o_v, o_l, o_t,
-                 mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
-                 W: tl.constexpr):
+def output_token(t, live, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_k, o_v,
+                 o_l, o_t, o_p, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                 TP: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
     """Token t of the output launch (``live``: t < T): its ``u`` and output from the checkpoint tile
-    ``b_s0``, the history's ``b_uh`` and the window's ``b_uw``; stores the output and (real rows) the
-    ``u`` and raw ``v`` records; returns ``b_uw`` with row t set."""
+    ``b_s0`` (or, with ``DOT``, its projections ``b_sp``), the history's ``b_uh`` and the window's
+    ``b_uw``; stores the output and (real rows) the ``u`` and raw ``v`` records; returns ``b_uw`` with
+    row t set."""
     p_row = proj + ((bos + t) * HV + i_hv) * W
-    b_ke = tl.load(p_row + o_k, mask=live, other=0)
-    b_qe = tl.load(p_row + K + o_k, mask=live, other=0)
+    if DOT:
+        s0k = tl.sum(tl.where(o_p[None, :] == t, b_sp, 0), 1)
+        s0q = tl.sum(tl.where(o_p[None, :] == TP + t, b_sp, 0), 1)
+    else:
+        s0k = tl.sum(b_s0 * tl.load(p_row + o_k, mask=live, other=0)[:, None], 0)
+        s0q = tl.sum(b_s0 * tl.load(p_row + K + o_k, mask=live, other=0)[:, None], 0)
     b_chk = tl.load(p_row + 2 * K + o_l, mask=live, other=0)
     b_chq = tl.load(p_row + 2 * K + L + o_l, mask=live, other=0)
     b_cwk = tl.load(p_row + 2 * K + 2 * L + o_t, mask=live, other=0)
@@ -245,8 +245,6 @@ def output_token(t, live, b_s0, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, 
     b_kq = tl.load(p_row + 2 * K + 2 * L + TP + t, mask=live, other=0)
     b_beta = tl.load(p_row + 2 * K + 2 * L + 2 * TP, mask=live, other=0)
     b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v & live, other=0)
-    s0k = tl.sum(b_s0 * b_ke[:, None], 0)
-    s0q = tl.sum(b_s0 * b_qe[:, None], 0)
     acc_k = tl.sum(b_uh * b_chk[:, None], 0) + tl.sum(b_uw * b_cwk[:, None], 0)
     acc_q = tl.sum(b_uh * b_chq[:, None], 0) + tl.sum(b_uw * b_cwq[:, None], 0)  # row t of b_uw is still 0
     b_u = b_beta * (b_v_raw.to(tl.float32) - s0k - acc_k)
@@ -263,15 +261,17 @@ WINDOW_WARPS = 4  # warps of a window program (one request and value head: [L, K
 
 def default_tiling(value_heads: int) -> tuple[int, int]:
     """``(block_v, num_warps)`` of the output launch over ``value_heads`` (requests × value heads):
-    SGLang's native decode tiling, 32 columns on one warp."""
-    return 32, 1
+    16 columns on one warp (half SGLang's native decode tile: the fastest measured on the H200 at every
+    batch, bench/results/replay)."""
+    return 16, 1
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  block_v: int | None = None, num_warps: int | None = None, unroll: bool = True) -> torch.Tensor:
+                  block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
+                  dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
     (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
@@ -309,12 +309,16 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, UNROLL=unroll, num_warps=WINDOW_WARPS, num_stages=1)
+        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
     o = q.new_empty(1, t_all, hv, vdim)
     BV = min(triton.next_power_of_2(vdim), bv)
+    dot = T > 1 if dot is None else dot
+    if dot and BV < 16:
+        raise ValueError(f"block_v {BV}: the tensor-core projections need at least 16 columns per program")
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices, T, v.stride()[1],
-        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, IS_KDA=is_kda, FUSED_FOLD=fused_fold, UNROLL=unroll,
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, NP=max(16, 2 * TP), IS_KDA=is_kda,
+        FUSED_FOLD=fused_fold, DOT=dot,
         num_warps=warps, num_stages=2)
     return o
