@@ -130,7 +130,7 @@ def plot_speedups(points: dict, title: str, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"{fam.upper()} {title}")
         ax.set_xlabel("batch")
+        ax.legend(fontsize=6)  # each panel its own: families may have different series
     axes[0][0].set_ylabel("speedup (×)")
-    axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

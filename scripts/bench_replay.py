@@ -164,12 +164,10 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
         for opt in opts:
             if opt in ("fma", "dot"):
                 kw["dot"] = opt == "dot"
-            elif opt == "hfma":
-                kw["history_dot"] = False
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
             else:
-                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot, :hfma")
+                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot")
         if kw.get("dot") and bv < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -194,6 +192,7 @@ def write_report(result, out_dir):
              "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
              "(`separate`).", "",
              "Kernels: device µs per step of each launch (CUDA profiler, eager), beside the CUDA-graph median.", "",
+             *([result["note"], ""] if result.get("note") else []),
              "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
              "| replay kernels µs | verify kernel |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -223,12 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot][:hfma]",
+    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot]",
                    help="replay launch variants to time side by side: the output launch's tiling (block_v x "
-                        "num_warps), optionally the window launch's warps (:w2), the S0 projections on CUDA "
-                        "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1) and the history "
-                        "coefficients on CUDA cores (:hfma; default tensor cores). The first listed is plotted: "
-                        "list the served default (ops.replay.verify) first. E.g. 16x1 16x1:w2 32x1:fma")
+                        "num_warps), optionally the window launch's warps (:w2) and the S0 projections on CUDA "
+                        "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1). The first listed is "
+                        "plotted: list the served default (ops.replay.verify) first. E.g. 16x1 16x1:w2 32x1:fma")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):

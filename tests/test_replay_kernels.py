@@ -153,7 +153,7 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv):
-    """``block_v`` / ``num_warps`` / ``window_warps`` / ``dot`` / ``history_dot`` (what the benchmark sweeps) tile the two
+    """``block_v`` / ``num_warps`` / ``window_warps`` / ``dot`` (what the benchmark sweeps) tile the two
     launches; checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for
     every variant. Outputs and ``u`` agree to float32 rounding: their reductions over K follow the launch
     layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never a fold (folds replay
@@ -163,7 +163,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     results = []
     for variant in (dict(block_v=16, num_warps=1), dict(block_v=32, num_warps=4, window_warps=1),
-                    dict(block_v=8, num_warps=1, dot=False, history_dot=False),
+                    dict(block_v=8, num_warps=1, dot=False),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False)):
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
         ring.count.fill_(L - 1)  # every request folds inside the launch

@@ -83,9 +83,9 @@ def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
 
 def test_bench_replay_variants_name_the_launch_options():
     p = bench_replay.argparse.ArgumentParser()
-    assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot:hfma"]) == [
+    assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot"]) == [
         ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
-        ("64x4:dot:hfma", dict(block_v=64, num_warps=4, dot=True, history_dot=False))]
+        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

@@ -63,9 +63,8 @@ def replay_window_kernel(
     r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
     softplus_beta, softplus_threshold, scale, T,
     stride_a, stride_q, stride_k, stride_b,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, TP: tl.constexpr,
-    NP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, HIST_DOT: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
+    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
 ):
     """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
     ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
@@ -80,9 +79,8 @@ def replay_window_kernel(
     i_h = i_hv // (HV // H)
     bos = i_n * T
     o_k = tl.arange(0, K)
-    o_l = tl.arange(0, LP)  # LP = max(L, 16): the history block is a tensor-core operand
+    o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    o_p = tl.arange(0, NP)
     mask_k = o_k < K
     p_A_log = A_log + i_hv
     if IS_KDA:
@@ -114,30 +112,23 @@ def replay_window_kernel(
     b_Gw = tl.zeros([K], dtype=tl.float32)  # log-decay of the window so far
     b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
     b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
-    b_a = tl.zeros([NP, K], dtype=tl.float32)  # rows t: e^{Gw_t} * k_t, rows TP + t: e^{Gw_t} * q_t
     writes_k = i_hv % (HV // H) == 0
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
-        b_Gt, b_Gw, b_kw, b_Gws, b_a = window_token(
-            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, b_a, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
+        b_Gt, b_Gw, b_kw, b_Gws = window_token(
+            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
             r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
-            stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, o_p, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-            ROUND_BETA, HIST_DOT)
-    if HIST_DOT:  # every history coefficient at once on tensor cores: [NP, K] x [K, LP]
-        b_ch = tl.dot(b_a, tl.trans(b_kh), input_precision="tf32x3")
-        tok = tl.where(o_p < TP, o_p, o_p - TP)
-        tl.store(proj + ((bos + tok)[:, None] * HV + i_hv) * W + 2 * K + tl.where(o_p < TP, 0, L)[:, None]
-                 + o_l[None, :], b_ch, mask=((o_p < 2 * TP) & (tok < T))[:, None] & (o_l < L)[None, :])
+            stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
+            ROUND_BETA)
 
 
 @triton.jit
-def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, b_a, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn,
-                 r_g, r_beta, r_kraw, bos, i_h, i_hv, pos0, valid, writes_k, softplus_beta, softplus_threshold, scale,
-                 stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, o_p, H: tl.constexpr, HV: tl.constexpr,
+def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
+                 r_beta, r_kraw, bos, i_h, i_hv, pos0, valid, writes_k, softplus_beta, softplus_threshold, scale,
+                 stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H: tl.constexpr, HV: tl.constexpr,
                  K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr,
-                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, HIST_DOT: tl.constexpr):
+                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
     """Token t of the window launch (``live``: t < T): its gate, normalised key and query, projection row
-    and key-side records; the history coefficients reduced here, or (``HIST_DOT``) its rows of the
-    tensor-core operand ``b_a``. Returns the running ``(G_t, Gw_t, window keys, window log-decays, b_a)``."""
+    and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays)``."""
     mask_k = (o_k < K) & live
     t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's gate, stores nothing
     b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t_in * stride_a, p_dt_bias, p_b0 + t_in * stride_b, mask_k,
@@ -155,12 +146,8 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, b_a, p_A_log, p_a0, p_d
     p_row = proj + ((bos + t) * HV + i_hv) * W
     tl.store(p_row + o_k, b_e * b_k, mask=mask_k)
     tl.store(p_row + K + o_k, b_e * b_q, mask=mask_k)
-    if HIST_DOT:
-        b_a = tl.where(o_p[:, None] == t, (b_ew * b_k)[None, :], b_a)
-        b_a = tl.where(o_p[:, None] == TP + t, (b_ew * b_q)[None, :], b_a)
-    else:
-        tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1), mask=live & (o_l < L))
-        tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1), mask=live & (o_l < L))
+    tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1), mask=live)
+    tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1), mask=live)
     tl.store(p_row + 2 * K + 2 * L + o_t, tl.where(o_t < t, tl.sum(b_kd * b_k[None, :], 1), 0), mask=live)
     tl.store(p_row + 2 * K + 2 * L + TP + o_t,
              tl.where(o_t < t, tl.sum(b_kd * b_q[None, :], 1), tl.where(o_t == t, tl.sum(b_k * b_q), 0)), mask=live)
@@ -175,7 +162,7 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, b_a, p_A_log, p_a0, p_d
         tl.store(r_g + pos * HV + i_hv, b_g, mask=rec)
     tl.store(r_beta + pos * HV + i_hv, b_beta, mask=rec)
     return (b_Gt, b_Gw, tl.where(o_t[:, None] == t, b_k[None, :], b_kw),
-            tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws), b_a)
+            tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -284,7 +271,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
-                  dot: bool | None = None, history_dot: bool = True) -> torch.Tensor:
+                  dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
     (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
@@ -325,9 +312,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         A_log, a, dt_bias, q, k, b, proj, state_indices,
         ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
-        H=hk, HV=hv, K=kdim, L=L, LP=max(16, L), TP=TP, NP=max(16, 2 * TP), W=W, IS_KDA=is_kda,
-        BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, HIST_DOT=history_dot,
-        num_warps=window_warps, num_stages=1)
+        H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
+        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
     o = q.new_empty(1, t_all, hv, vdim)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
