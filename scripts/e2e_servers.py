@@ -74,7 +74,7 @@ SPEC = {
 }
 MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
-            "fp32": ["--dtype", "float32"]}
+            "fp32": ["--dtype", "float32"], "hicache": ["--enable-hierarchical-cache"]}
 """``fp32`` runs the whole model in float32: with bfloat16 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
@@ -89,7 +89,7 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",)):
+                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",)):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out
@@ -450,6 +450,7 @@ def table_rows(configs: list[dict]) -> list[dict]:
                 "history": c["history"], "spec": spec, "topk": topk,
                 "draft_tokens": 1 if spec == "none" else info.get("speculative_num_draft_tokens"),
                 "cuda_graph": "nograph" not in c["variants"], "radix_cache": "noradix" not in c["variants"],
+                "hicache": "hicache" in c["variants"],
                 "state_dtype": "bfloat16" if "bf16" in c["variants"] else "float32",
                 "activation_dtype": "float32" if "fp32" in c["variants"] else "bfloat16",
                 "tp": info.get("tp_size", 1), "dp": info.get("dp_size", 1), "concurrency": s["concurrency"],

@@ -181,3 +181,64 @@ def test_pd_decode_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):
         phase[:, [2, 4]] = 0
         assert torch.equal(pool.replay_rings.count, count) and torch.equal(pool.replay_rings.phase, phase)
         assert (pool.replay_rings.count[:, 1] == 3).all(), "other slots keep their history"
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_hicache_backup_starts_from_the_canonical_state(mode, cuda_scratch_on_cpu):  # noqa: F811
+    """HiCache device-to-host backup of a tree node: by the time SGLang builds the transfer, the node's
+    slot holds its committed state (replay: folded in place, history emptied) — what the host copies
+    is what native would hold; other slots and the other modes are untouched."""
+    from sglang.srt.mem_cache.hi_mamba_radix_cache import HiMambaRadixCache
+
+    pool = make_pool(mode, draft_tokens=1, size=6, history=8)
+    gen = torch.Generator().manual_seed(10)
+    pool.mamba_cache.temporal.copy_(torch.randn(pool.mamba_cache.temporal.shape, generator=gen))
+    if mode == "replay":
+        _fill_history(pool, [1, 3], 3, gen)
+    want = pool.canonical_states(torch.tensor([3]))[:, 0]
+    before = pool.mamba_cache.temporal.clone()
+    rings = pool.replay_rings and pool.replay_rings.count.clone()
+    seen = []
+
+    def sglang_transfers(cache, node):  # SGLang's own: describe the copy of node.mamba_value
+        seen.append(pool.mamba_cache.temporal[:, int(node.mamba_value)].clone())
+        return ["transfer"]
+
+    cache = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=pool))
+    node = SimpleNamespace(mamba_value=torch.tensor([3]))
+    assert pool_hooks.hicache_backup_transfers(sglang_transfers, cache, node) == ["transfer"]
+    assert callable(HiMambaRadixCache.mamba_backup_transfers)
+    torch.testing.assert_close(seen[0], want, rtol=1e-6, atol=1e-6)
+    others = [s for s in range(6) if s != 3]
+    assert torch.equal(pool.mamba_cache.temporal[:, others], before[:, others])
+    if mode == "replay":
+        assert not torch.allclose(before[:, 3], want, atol=1e-3), "the slot held a history for this to mean anything"
+        assert (pool.replay_rings.count[:, 3] == 0).all() and torch.equal(pool.replay_rings.count[:, 1], rings[:, 1])
+    else:
+        assert torch.equal(pool.mamba_cache.temporal, before)
+    assert pool_hooks.hicache_backup_transfers(lambda c, n: None, cache, SimpleNamespace(mamba_value=None)) is None
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "replay"])
+def test_hicache_restored_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):  # noqa: F811
+    """HiCache host-to-device restore: after SGLang commits the restored nodes, the slots the host's
+    canonical states went to (the controller's, and a request's own) have no history; other slots keep
+    theirs, states are untouched."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = make_pool(mode, draft_tokens=1, size=6, history=8)
+    gen = torch.Generator().manual_seed(11)
+    if mode == "replay":
+        _fill_history(pool, [1, 2, 4, 5], 2, gen)
+    temporal = pool.mamba_cache.temporal.clone()
+    count = pool.replay_rings and pool.replay_rings.count.clone()
+    transfers = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7]), device_indices=torch.tensor([2])),
+                 PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([8]), device_indices=torch.tensor([4]))]
+    cache = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=pool))
+    assert pool_hooks.hicache_restore_commit(lambda c, n, t: "committed", cache, ["node"], transfers) == "committed"
+    assert torch.equal(pool.mamba_cache.temporal, temporal)
+    if mode == "replay":
+        count[:, [2, 4]] = 0
+        assert torch.equal(pool.replay_rings.count, count) and (pool.replay_rings.count[:, [1, 5]] == 2).all()
+    nothing = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), device_indices=None)]
+    assert pool_hooks.hicache_restore_commit(lambda c, n, t: None, cache, ["node"], nothing) is None

@@ -42,7 +42,7 @@ CHOICE_TABLE = {
     "--cuda-graph-backend-prefill": {"full": (), "breakable": (), "tc_piecewise": (), "disabled": ()},
 }
 SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
-    "hicache": (["--enable-hierarchical-cache"], ("replay",), "--enable-hierarchical-cache"),
+    "hicache": (["--enable-hierarchical-cache"], (), None),
     "int8_ckpt": (["--enable-int8-mamba-checkpoint"], (), None),
     "no_overlap": (["--disable-overlap-schedule"], (), None),
     "page_16": (["--page-size", "16"], (), None),

@@ -16,8 +16,11 @@ INT8_STORE = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.sto
 INT8_LOAD = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.load_to_active"
 PD_PREBUILT = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin" \
               ".prepare_for_prebuilt"
+_HIMAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache"
+HICACHE_BACKUP = f"{_HIMAMBA}.mamba_backup_transfers"
+HICACHE_RESTORE = f"{_HIMAMBA}.mamba_restore_commit"
 MODE_TARGETS = (POOL, SIZING, GDN_DECODE, GDN_EXTEND, KDA_DECODE, KDA_EXTEND, COMMIT, INT8_STORE, INT8_LOAD,
-                PD_PREBUILT)
+                PD_PREBUILT, HICACHE_BACKUP, HICACHE_RESTORE)
 """Every target a non-native mode is served through."""
 
 

@@ -5,7 +5,9 @@ mode saves becomes more running requests or more radix cache); and the int8 radi
 the slot that receives one starts with an empty history. PD disaggregation is the same contract across
 servers: the prefill server's slot holds the canonical state when its transfer starts (a replay prefill
 folds the history first and leaves none behind), and the decode server's slot that received it starts
-with an empty history (``ScheduleBatch.prepare_for_prebuilt``).
+with an empty history (``ScheduleBatch.prepare_for_prebuilt``). HiCache likewise: a tree slot is folded in
+place before its device-to-host backup starts (``HiMambaRadixCache.mamba_backup_transfers``), and the slots a
+host-to-device restore filled start with an empty history (``mamba_restore_commit``).
 
 The mode comes from the server arguments (``ServerArgs.ssm_mode_config``, set at startup by the plugin);
 without one every hook is SGLang's own behaviour.
@@ -150,4 +152,34 @@ def pd_prepare_for_prebuilt(original, self):
         slots = [req.mamba_pool_idx for req in self.reqs if req.mamba_pool_idx is not None]
         if slots:
             pool.clear_history(torch.stack([torch.as_tensor(s).reshape(()) for s in slots]))
+    return result
+
+
+def _replay_pool(cache) -> ModeMambaPool | None:
+    """The replay-mode pool behind a radix cache, or None (another mode, or SGLang's own pool)."""
+    pool = getattr(getattr(cache, "req_to_token_pool", None), "mamba_pool", None)
+    return pool if isinstance(pool, ModeMambaPool) and pool.replay_rings is not None else None
+
+
+def hicache_backup_transfers(original, self, node):
+    """AROUND ``HiMambaRadixCache.mamba_backup_transfers`` (HiCache device-to-host backup of a tree node):
+    in replay, fold the node's slot in place first, so the raw buffers the backup copies (on HiCache's write
+    stream, ordered after this launch) hold the canonical state and the slot keeps no history. The tree
+    owns the slot (a finished request donates its own), so folding it changes no one's committed state."""
+    pool = _replay_pool(self)
+    if pool is not None and node.mamba_value is not None:
+        pool.materialise_in_place(node.mamba_value)
+    return original(self, node)
+
+
+def hicache_restore_commit(original, self, restored_nodes, transfers):
+    """AROUND ``HiMambaRadixCache.mamba_restore_commit`` (after a host-to-device restore): in replay, the
+    device slots the host's canonical states went to — the tree nodes' and a request's own — start with
+    an empty history (a reused slot may still hold a previous owner's records)."""
+    result = original(self, restored_nodes, transfers)
+    pool = _replay_pool(self)
+    if pool is not None and restored_nodes and transfers:
+        slots = [t.device_indices.reshape(-1) for t in transfers if t.device_indices is not None]
+        if slots:
+            pool.clear_history(torch.cat(slots))
     return result

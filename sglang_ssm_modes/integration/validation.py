@@ -40,13 +40,3 @@ def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_na
         raise SSMModeConfigError(
             f"{flag} stores the recurrent state of Gated DeltaNet / Kimi Delta Attention layers, and this model "
             f"({config_name}) has none: drop {FLAG_MODE} (or pass {FLAG_MODE} native)")
-    if cfg.mode != "replay":
-        return
-    refused = (
-        (server_args.enable_hierarchical_cache, "--enable-hierarchical-cache",
-         "HiCache's host transfers read the raw state buffers, which replay does not materialise before them yet"),
-    )
-    for hit, other, why in refused:
-        if hit:
-            raise SSMModeConfigError(f"{flag} cannot be combined with {other}: {why}. Use {FLAG_MODE} compact "
-                                     f"(its state is always canonical) or drop {other}")

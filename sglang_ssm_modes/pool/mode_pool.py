@@ -22,8 +22,9 @@ Everything that hands pool contents to someone else (``copy_from`` for radix-cac
 ``get_cpu_copy`` for offload, ``canonical_states`` for int8 checkpoints) sees the canonical committed
 state: replay materialises it first (into the destination slot, a copy, or by folding in place), and
 whatever receives a state (``copy_from``'s destination, ``load_cpu_copy``, ``clear_slots``,
-``clear_history``) starts with an empty history. PD transfer and HiCache read the raw buffers: replay
-refuses them at startup.
+``clear_history``) starts with an empty history. PD transfer and HiCache read and write the raw buffers:
+the integration hooks fold a replay slot in place before a transfer starts (``materialise_in_place``) and
+empty the history of a slot a transfer filled (``clear_history``).
 
 This module imports SGLang (it is glue); the kernels it drives live in :mod:`sglang_ssm_modes.ops`.
 """
