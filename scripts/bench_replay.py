@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                    help="replay launch variants to time side by side: the output launch's tiling (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1). The first listed is "
-                        "plotted: list the served default (ops.replay.verify) first. E.g. 16x1 16x1:w2 32x1:fma")
+                        "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. E.g. 16x1 16x1:w2 32x1:fma")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):

@@ -5,7 +5,7 @@ sessions (the GPU bench reports the same figures from the loaded kernels: ``benc
 ``verify kernel`` column; Triton versions differ between machines, so compare variants within one run,
 not across machines).
 
-    python scripts/kernel_registers.py [--tilings 32x1 64x2] [--histories 16 64] [--families gdn kda]
+    python scripts/kernel_registers.py [--tilings 16x1 32x1] [--histories 16 64] [--families gdn kda]
         [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
 
 Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
@@ -80,7 +80,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tilings", nargs="+", default=["32x1", "64x2"], metavar="BVxWARPS",
+    p.add_argument("--tilings", nargs="+", default=["16x1", "32x1"], metavar="BVxWARPS",
                    help="output-kernel tilings: V columns x warps per program")
     p.add_argument("--histories", type=int, nargs="+", default=[16])
     p.add_argument("--families", nargs="+", default=["gdn"], choices=list(FAMILIES))

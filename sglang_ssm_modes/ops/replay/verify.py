@@ -256,14 +256,12 @@ def output_token(t, live, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, 
     return tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
 
 
-WINDOW_WARPS = 4  # warps of a window program (one request and value head: [L, K] and [TP, K] blocks)
-
-
-def default_tiling(value_heads: int) -> tuple[int, int]:
-    """``(block_v, num_warps)`` of the output launch over ``value_heads`` (requests × value heads):
-    16 columns on one warp (half SGLang's native decode tile: the fastest measured on the H200 at every
-    batch, bench/results/replay)."""
-    return 16, 1
+WINDOW_WARPS = 4
+"""Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): fastest
+beside 2 and 8 at L = 64, 2 is up to 20 % faster at L = 16 (bench/results/replay/split_20261203)."""
+OUTPUT_TILING = (16, 1)
+"""``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
+tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -283,8 +281,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
-    program) and ``num_warps`` tile the output launch (default :func:`default_tiling`): outputs,
-    checkpoints and records are the same bits for every tiling. Returns ``o`` ``[1, T_all, HV, V]``.
+    program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``window_warps``
+    the window launch; ``dot`` projects the checkpoint tile on tensor cores (tf32x3; default for T > 1,
+    needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
+    for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -294,8 +294,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     T = t_all // n
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    bv, warps = default_tiling(n * hv)
-    bv, warps = block_v or bv, num_warps or warps
+    bv, warps = block_v or OUTPUT_TILING[0], num_warps or OUTPUT_TILING[1]
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"block_v {bv} must be a power of two")
     if triton.next_power_of_2(kdim) != kdim:
