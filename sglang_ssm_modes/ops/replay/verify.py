@@ -257,8 +257,9 @@ def output_token(t, live, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, 
 
 
 WINDOW_WARPS = 4
-"""Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): fastest
-beside 2 and 8 at L = 64, 2 is up to 20 % faster at L = 16 (bench/results/replay/split_20261203)."""
+"""Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): beside 2
+and 8, the fastest at L = 64 (2: up to 40 % slower) and within 4 % of 2 at L = 16
+(bench/results/replay/split_20261203/run3_a595fe2)."""
 OUTPUT_TILING = (16, 1)
 """``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
 tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
