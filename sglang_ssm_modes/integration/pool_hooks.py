@@ -141,24 +141,24 @@ def int8_load_to_active(original, self, active_mamba_pool, ckpt_slots, active_sl
         active_mamba_pool.clear_history(active_slots)
 
 
+def _replay_pool(cache) -> ModeMambaPool | None:
+    """The replay-mode pool behind a radix cache or a batch, or None (another mode, or SGLang's own pool)."""
+    pool = getattr(getattr(cache, "req_to_token_pool", None), "mamba_pool", None)
+    return pool if isinstance(pool, ModeMambaPool) and pool.replay_rings is not None else None
+
+
 def pd_prepare_for_prebuilt(original, self):
     """AROUND ``ScheduleBatch.prepare_for_prebuilt`` (PD decode server): the requests' states have just
     arrived by transfer into their pool slots — raw canonical states; in replay, empty those slots'
     histories (a reused slot may still hold a previous owner's records) before ``process_prebuilt``
     caches the requests in the radix tree and before their first decode."""
     result = original(self)
-    pool = getattr(self.req_to_token_pool, "mamba_pool", None)
-    if isinstance(pool, ModeMambaPool) and pool.replay_rings is not None and self.reqs:
+    pool = _replay_pool(self)
+    if pool is not None and self.reqs:
         slots = [req.mamba_pool_idx for req in self.reqs if req.mamba_pool_idx is not None]
         if slots:
             pool.clear_history(torch.stack([torch.as_tensor(s).reshape(()) for s in slots]))
     return result
-
-
-def _replay_pool(cache) -> ModeMambaPool | None:
-    """The replay-mode pool behind a radix cache, or None (another mode, or SGLang's own pool)."""
-    pool = getattr(getattr(cache, "req_to_token_pool", None), "mamba_pool", None)
-    return pool if isinstance(pool, ModeMambaPool) and pool.replay_rings is not None else None
 
 
 def hicache_backup_transfers(original, self, node):
