@@ -74,7 +74,7 @@ SPEC = {
 }
 MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
-            "fp32": ["--dtype", "float32"], "hicache": ["--enable-hierarchical-cache"]}
+            "fp32": ["--dtype", "float32"], "hicache": ["--enable-hierarchical-cache"], "metrics": ["--enable-metrics"]}
 """``fp32`` runs the whole model in float32: with bfloat16 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
@@ -89,7 +89,7 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",)):
+                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",), ("metrics",)):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out
@@ -310,6 +310,23 @@ def server_summary(info: dict) -> dict:
     return out
 
 
+SSM_LABELS = ("kind", "mode", "history", "draft_tokens", "decode_path", "verify_path")
+"""The labels of ``sglang_ssm_modes.integration.metrics`` beside SGLang's own (model name, ranks, ...)."""
+
+
+def ssm_metrics(text: str) -> dict[str, float]:
+    """The ``sglang:ssm_*`` samples of a Prometheus ``/metrics`` page, by series (name and our labels)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("sglang:ssm_"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        own = [kv for kv in labels.rstrip("}").split(",") if kv.split("=")[0] in SSM_LABELS]
+        out[name + ("{" + ",".join(own) + "}" if own else "")] = float(value)
+    return out
+
+
 def reference_key(cfg: dict) -> tuple:
     """Which native server a configuration is judged against: same model, speculation and dtypes."""
     return cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"]
@@ -347,8 +364,12 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
             row["gsm8k"] = run_gsm8k(server.url, name, args)
         row["server"] = server.info()
         row["mamba_pool"] = server.allocated_pool()
-        row["log_lines"] = [line for line in server.tail(100000).splitlines()
+        log_text = server.tail(100000).splitlines()
+        row["log_lines"] = [line for line in log_text
                             if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
+        row["fault_lines"] = [line for line in log_text if "sglang-ssm-modes: request" in line][-20:]
+        if "metrics" in cfg["variants"]:
+            row["ssm_metrics"] = ssm_metrics(_get(server.url + "/metrics", timeout=30).decode())
     except Exception as e:  # reported in the row; the run goes on with the next server
         row["error"] = f"{type(e).__name__}: {e}"[-3000:]
         log.error("%s failed: %s", name, row["error"][-600:])

@@ -120,3 +120,16 @@ def test_every_configuration_parses_with_sglangs_parser_and_the_plugin(tmp_path)
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_ssm_metrics_are_read_from_a_prometheus_page():
+    page = """# HELP sglang:ssm_state_folds_total Replay histories folded into their checkpoints.
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 3.0
+sglang:ssm_state_folds_total{model_name="m",tp_rank="0"} 12.0
+sglang:ssm_state_faults_total{kind="nonfinite",model_name="m"} 0.0
+sglang:ssm_state_mode_info{decode_path="replay",draft_tokens="4",history="16",mode="replay",model_name="m",verify_path="replay"} 1.0
+"""
+    assert e2e_servers.ssm_metrics(page) == {
+        "sglang:ssm_state_folds_total": 12.0, 'sglang:ssm_state_faults_total{kind="nonfinite"}': 0.0,
+        'sglang:ssm_state_mode_info{decode_path="replay",draft_tokens="4",history="16",mode="replay",'
+        'verify_path="replay"}': 1.0}

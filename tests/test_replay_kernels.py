@@ -20,10 +20,10 @@ from sglang_ssm_modes.reference.random_layer import random_inputs
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
 
 
-def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx):
+def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **options):
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
-                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda")
+                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", **options)
 
 
 def _ring_snapshot(ring):
@@ -120,16 +120,16 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv,d,L", [("gdn", 2, 4, 3, 8), ("kda", 2, 2, 2, 4), ("gdn", 1, 1, 1, 4)])
 def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
-    """The verify kernel's fused fold + ``advance(window=T)`` against the separate fold kernel +
-    cursor update + verify, on the same inputs round after round (accepted 0..D, padding rows,
-    requests folding at different rounds): outputs, checkpoints, every ring buffer and the cursors
-    bit for bit."""
+    """The verify kernel's fused fold + ``advance(window=T)``, with the output launch in fold-first order
+    (default) and in request order, against the separate fold kernel + cursor update + verify, on the
+    same inputs round after round (accepted 0..D, padding rows, requests folding at different rounds):
+    outputs, checkpoints, every ring buffer and the cursors bit for bit."""
     n, kdim, vdim = 5, 16, 32
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=48 + d)
     gen = torch.Generator().manual_seed(49)
-    pools = [pool.to(DEVICE), pool.to(DEVICE).clone()]
+    pools = [pool.to(DEVICE), pool.to(DEVICE).clone(), pool.to(DEVICE).clone()]
     rings = [ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
-             for _ in range(2)]
+             for _ in range(3)]
     rec_idx = torch.tensor([3, 1, 6, 0, 4], dtype=torch.int32, device=DEVICE)
     real = (state_idx >= 0).to(DEVICE)
     folds = 0
@@ -142,12 +142,14 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
         after_fold(rings[0], rec_idx, need)
         o_sep = _call_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx)
         advance(rings[0], rec_idx, accepted)
-        o_fused = _call_verify(params, x, family, n, d, pools[1], state_idx, rings[1], rec_idx)
-        advance(rings[1], rec_idx, accepted, window=d)
-        assert torch.equal(o_sep[0].reshape(n, d, hv, vdim)[real], o_fused[0].reshape(n, d, hv, vdim)[real])
-        assert torch.equal(pools[0], pools[1])
-        for name, t in rings[0].buffers().items():
-            assert torch.equal(t, rings[1].buffers()[name]), name
+        for i, fold_first in ((1, True), (2, False)):
+            o_fused = _call_verify(params, x, family, n, d, pools[i], state_idx, rings[i], rec_idx,
+                                   fold_first=fold_first)
+            advance(rings[i], rec_idx, accepted, window=d)
+            assert torch.equal(o_sep[0].reshape(n, d, hv, vdim)[real], o_fused[0].reshape(n, d, hv, vdim)[real])
+            assert torch.equal(pools[0], pools[i])
+            for name, t in rings[0].buffers().items():
+                assert torch.equal(t, rings[i].buffers()[name]), (name, fold_first)
     assert folds >= 2  # requests folded at different rounds
 
 
@@ -220,12 +222,15 @@ def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
 
 
 def test_request_count_is_not_a_compile_time_constant():
-    for jit in (replay_window_kernel, replay_output_kernel, replay_fold_kernel):
+    """No kernel takes the request count as a constexpr; the window launch's ``N`` (for the fold-first
+    order) and both launches' window length ``T`` are runtime integers Triton must not specialise."""
+    for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_fold_kernel, set())):
         params = inspect.signature(jit.fn).parameters
-        assert not any(name in params for name in ("N", "B", "batch", "num_requests"))
-    for jit in (replay_window_kernel, replay_output_kernel):  # the window length varies, never recompiles
-        marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize", [])
-        assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == {"T"}
+        assert not any(params[name].annotation is not inspect.Parameter.empty
+                       for name in ("N", "B", "batch", "num_requests") if name in params)
+        assert {name for name in ("N", "B", "batch", "num_requests") if name in params} <= runtime
+        marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize") or []
+        assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == runtime
 
 
 def test_window_larger_than_history_is_refused():

@@ -19,8 +19,9 @@ PD_PREBUILT = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBat
 _HIMAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache"
 HICACHE_BACKUP = f"{_HIMAMBA}.mamba_backup_transfers"
 HICACHE_RESTORE = f"{_HIMAMBA}.mamba_restore_commit"
+DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 MODE_TARGETS = (POOL, SIZING, GDN_DECODE, GDN_EXTEND, KDA_DECODE, KDA_EXTEND, COMMIT, INT8_STORE, INT8_LOAD,
-                PD_PREBUILT, HICACHE_BACKUP, HICACHE_RESTORE)
+                PD_PREBUILT, HICACHE_BACKUP, HICACHE_RESTORE, DECODE_STATS)
 """Every target a non-native mode is served through."""
 
 

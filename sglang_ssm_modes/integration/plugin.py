@@ -17,7 +17,9 @@ Hooks:
   starts, and a slot the host restored starts with an empty history (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
   ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
-  (:mod:`.backend_hooks`).
+  (:mod:`.backend_hooks`);
+* ``SchedulerMetricsReporter.report_decode_stats``: every decode log interval, the pool's fault reports
+  and, with ``--enable-metrics``, its Prometheus counters (:mod:`.metrics`).
 
 SGLang logs and skips a hook it fails to apply; the pool hook checks that every hook of this plugin
 was applied and refuses to start otherwise, so a mode is never silently served by the native path.
@@ -29,7 +31,7 @@ import argparse
 import dataclasses
 import logging
 
-from . import backend_hooks, hook_targets as targets, pool_hooks
+from . import backend_hooks, hook_targets as targets, metrics, pool_hooks
 from .cli_args import add_ssm_mode_args, resolve_ssm_mode
 from .validation import linear_family, validate_mode
 
@@ -48,6 +50,7 @@ HOOKS = {  # target -> AROUND hook
     targets.PD_PREBUILT: pool_hooks.pd_prepare_for_prebuilt,
     targets.HICACHE_BACKUP: pool_hooks.hicache_backup_transfers,
     targets.HICACHE_RESTORE: pool_hooks.hicache_restore_commit,
+    targets.DECODE_STATS: metrics.report_decode_stats,
 }
 """Every AROUND hook of the plugin, by SGLang target."""
 

@@ -116,21 +116,27 @@ def tree_ancestors(p_parents, stride_tok, node, max_depth, NP2_D: tl.constexpr):
 
 
 @triton.jit
+def store_key_record(rec_k, rec_g, rec_beta, pos, i_h, i_hv, writes_k, writes_gate, o_k, mask_k, b_k_raw, b_g,
+                     b_beta, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, IS_KDA: tl.constexpr):
+    """Store one token's key-side raw inputs at record position ``pos`` of ``[*, H, K]`` / ``[*, HV, Kg]`` /
+    ``[*, HV]`` buffers: raw k where ``writes_k`` (once per key head), g and beta where ``writes_gate``."""
+    tl.store(rec_k + (pos * H + i_h) * K + o_k, b_k_raw, mask=mask_k & writes_k)
+    if IS_KDA:
+        tl.store(rec_g + (pos * HV + i_hv) * K + o_k, b_g, mask=mask_k & writes_gate)
+    else:
+        tl.store(rec_g + pos * HV + i_hv, b_g, mask=writes_gate)
+    tl.store(rec_beta + pos * HV + i_hv, b_beta, mask=writes_gate)
+
+
+@triton.jit
 def store_raw_record(rec_k, rec_v, rec_g, rec_beta, pos, i_h, i_hv, first_v_block, writes_k, o_k, o_v, mask_k, mask_v,
                      b_k_raw, b_v_raw, b_g, b_beta, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, IS_KDA: tl.constexpr):
-    """Store one token's raw inputs at record position ``pos`` of ``[*, H, K]`` / ``[*, HV, V]`` /
-    ``[*, HV, Kg]`` / ``[*, HV]`` buffers: raw k once per key head (``writes_k``), this program's
-    block of raw v, and g and beta from the first value block."""
-    if writes_k:
-        tl.store(rec_k + (pos * H + i_h) * K + o_k, b_k_raw, mask=mask_k)
+    """Store one token's raw inputs at record position ``pos``: the key side (:func:`store_key_record`;
+    g and beta from the first value block) and this program's block of raw v in ``[*, HV, V]``."""
+    store_key_record(rec_k, rec_g, rec_beta, pos, i_h, i_hv, writes_k, first_v_block, o_k, mask_k, b_k_raw, b_g,
+                     b_beta, H, HV, K, IS_KDA)
     tl.store(rec_v + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v)
-    if first_v_block:
-        if IS_KDA:
-            tl.store(rec_g + (pos * HV + i_hv) * K + o_k, b_g, mask=mask_k)
-        else:
-            tl.store(rec_g + pos * HV + i_hv, b_g)
-        tl.store(rec_beta + pos * HV + i_hv, b_beta)
 
 
 @triton.jit

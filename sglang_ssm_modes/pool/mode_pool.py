@@ -151,6 +151,7 @@ class ModeMambaPool(MambaPool):
         self.heads = h = LinearHeads.from_cache_params(cache_params)
         self.tree_verify = (eagle_topk or 1) > 1
         self.compact_records = self.replay_rings = None
+        self.materialised = 0  # requests whose replay state was materialised for a copy or transfer (metrics)
         is_kda = h.family == "kda"
         act = mode_config.activation_dtype  # raw k / v records: the model's activation dtype
         speculative = mode_config.draft_tokens > 1
@@ -209,6 +210,7 @@ class ModeMambaPool(MambaPool):
         for i in range(len(self.mamba_cache.conv)):
             self.mamba_cache.conv[i][:, dst_indices] = self.mamba_cache.conv[i][:, src_indices]
         src, dst = _as_index(src_indices, self.device), _as_index(dst_indices, self.device)
+        self.materialised += src.shape[0]
         everything = torch.ones_like(src, dtype=torch.bool)
         for layer in range(self.num_mamba_layers):
             temporal = self.mamba_cache.temporal[layer]
@@ -222,6 +224,7 @@ class ModeMambaPool(MambaPool):
         if self.replay_rings is None:
             return
         idx = _as_index(indices, self.device)
+        self.materialised += idx.shape[0]
         everything = torch.ones_like(idx, dtype=torch.bool)
         for layer in range(self.num_mamba_layers):
             fold_into_checkpoints(self.mamba_cache.temporal[layer], idx, self.layer_ring(layer), idx, everything,
@@ -236,6 +239,7 @@ class ModeMambaPool(MambaPool):
             return temporal[:, idx.long()]
         out = torch.empty((temporal.shape[0], idx.shape[0], *temporal.shape[2:]), dtype=temporal.dtype,
                           device=temporal.device)
+        self.materialised += idx.shape[0]
         everything = torch.ones_like(idx, dtype=torch.bool)
         rows = torch.arange(idx.shape[0], dtype=torch.int32, device=idx.device)
         for layer in range(self.num_mamba_layers):
@@ -258,6 +262,7 @@ class ModeMambaPool(MambaPool):
             idx = _as_index(indices, self.device).long()
             self.replay_rings.count[:, idx] = 0
             self.replay_rings.phase[:, idx] = 0
+            self.replay_rings.faults[:, idx] = 0
 
 
 def _as_index(indices, device) -> torch.Tensor:

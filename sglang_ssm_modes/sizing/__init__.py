@@ -3,7 +3,7 @@ layer and request, and the request capacity SGLang derives from them. Does not i
 (except lazily, to load a user's ``config.json``)."""
 
 from .bytes import (
-    CURSOR_BYTES,
+    SLOT_WORDS_BYTES,
     ModeBytes,
     layer_bytes,
     lightllm_native_value_head_bytes,
@@ -25,7 +25,7 @@ from .shapes import (
 
 __all__ = [
     "BUILTIN_SHAPES",
-    "CURSOR_BYTES",
+    "SLOT_WORDS_BYTES",
     "LinearAttnShape",
     "LocalShape",
     "ModeBytes",

@@ -3,8 +3,8 @@ exact fold (also the materialise of a committed state), and the ring with its cu
 plain-torch reference beside them is :mod:`sglang_ssm_modes.reference.replay`."""
 
 from .fold import fold_into_checkpoints, replay_fold
-from .ring import ReplayRing, advance, after_fold, clear_history, fold_needed
+from .ring import FAULT_NONFINITE, FAULT_OVERFLOW, ReplayRing, advance, after_fold, clear_history, fold_needed
 from .verify import replay_verify
 
-__all__ = ["ReplayRing", "advance", "after_fold", "clear_history", "fold_into_checkpoints", "fold_needed", "replay_fold",
+__all__ = ["FAULT_NONFINITE", "FAULT_OVERFLOW", "ReplayRing", "advance", "after_fold", "clear_history", "fold_into_checkpoints", "fold_needed", "replay_fold",
            "replay_verify"]

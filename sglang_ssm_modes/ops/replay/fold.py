@@ -15,23 +15,13 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_records
-from .ring import ReplayRing, after_fold
-
-
-@triton.jit
-def replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
-    """The native recurrence over ring records ``rec0 .. rec0 + n_rec`` (raw k re-normalised, raw v,
-    stored g and beta) on one float32 ``[BK, BV]`` state tile; returns the advanced tile (the fold's
-    body, shared by :func:`replay_fold_kernel` and the verify kernel's fused fold)."""
-    return apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                         H, HV, K, V, IS_KDA)
+from .ring import ReplayRing, after_fold, flag_nonfinite
 
 
 @triton.jit
 def replay_fold_kernel(
     src, src_indices, dst, dst_indices, mask,
-    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, lengths,
+    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, lengths,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L: tl.constexpr, IS_KDA: tl.constexpr, HAS_LENGTHS: tl.constexpr,
 ):
@@ -39,7 +29,8 @@ def replay_fold_kernel(
     ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``: ``dst[dst_indices[n]]`` (``[slots, HV, V,
     K]``, any float dtype) = ``src[src_indices[n]]`` advanced over the ring slot's first ``count``
     records (or ``lengths[n]``: e.g. into the window just verified, for a tracked snapshot). Every
-    program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``."""
+    program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``. A non-finite result is written and
+    flagged in the ring slot's ``r_faults``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -60,10 +51,12 @@ def replay_fold_kernel(
             n_rec = tl.load(lengths + i_n)
         else:
             n_rec = tl.load(r_count + r)
-        b_h = replay_records(b_h, r_g, r_beta, r_kraw, r_vraw, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                             H, HV, K, V, IS_KDA)
+        b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                            H, HV, K, V, IS_KDA)
         p_dst = dst + di * HV * K * V + tile
-        tl.store(p_dst, b_h.to(p_dst.dtype.element_ty), mask=mask_h)
+        b_out = b_h.to(p_dst.dtype.element_ty)
+        tl.store(p_dst, b_out, mask=mask_h)
+        flag_nonfinite(r_faults, r, b_out.to(tl.float32))
 
 
 def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
@@ -81,7 +74,7 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv)](
         checkpoints, state_indices, checkpoints if dst is None else dst,
         state_indices if dst_indices is None else dst_indices, mask,
-        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices, lengths,
+        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, lengths,
         H=ring.k_raw.shape[2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
         HAS_LENGTHS=lengths is not None,
         num_warps=1, num_stages=3)

@@ -5,6 +5,13 @@ Records since the checkpoint live in one half of the ring (``phase`` selects it:
 flips ``phase``, so records a concurrently running fold still reads are never overwritten by the
 next window. With a fold before every window that would overflow (``count + D > L``) a window's
 records always fit in the current half.
+
+Each slot also keeps two int32 words for observability: ``folds``, how many times its history has
+been folded (cumulative: the served pool's fold counter), and ``faults``, bit flags the kernels set
+instead of failing mid-forward — :data:`FAULT_NONFINITE` (a fold produced a non-finite state: it is
+written, as native would propagate it, and reported) and :data:`FAULT_OVERFLOW` (a cursor past L,
+impossible by construction: the cheap check of that invariant). Both are read asynchronously by the
+integration's metrics (``sglang_ssm_modes.integration.metrics``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,13 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 import triton.language as tl
+
+FAULT_NONFINITE = 1
+"""``faults`` bit: a fold of this slot's history produced a non-finite value."""
+FAULT_OVERFLOW = 2
+"""``faults`` bit: an acceptance moved this slot's cursor past L (the ring's invariant broken)."""
+_NONFINITE = tl.constexpr(FAULT_NONFINITE)  # the bits as the kernels see them
+_OVERFLOW = tl.constexpr(FAULT_OVERFLOW)
 
 
 @dataclass(frozen=True)
@@ -26,7 +40,9 @@ class ReplayRing:
     * ``k_raw`` ``[R, 2L, HK, K]``, ``v_raw`` ``[R, 2L, HV, V]``: raw inputs, activation dtype (the fold
       re-runs the native recurrence from these, never from ``u``);
     * ``count`` ``[R]`` int32: committed records since the checkpoint; ``phase`` ``[R]`` int32 (0 or 1):
-      the half holding them. Together the 8 bytes of cursor per request and layer.
+      the half holding them (the cursor);
+    * ``folds`` ``[R]`` int32: folds of the slot so far; ``faults`` ``[R]`` int32: :data:`FAULT_NONFINITE` /
+      :data:`FAULT_OVERFLOW` bits. With the cursor, 16 bytes per request and layer.
     """
 
     u: torch.Tensor
@@ -37,6 +53,8 @@ class ReplayRing:
     v_raw: torch.Tensor
     count: torch.Tensor
     phase: torch.Tensor
+    folds: torch.Tensor
+    faults: torch.Tensor
 
     @staticmethod
     def allocate(slots: int, history: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
@@ -52,7 +70,9 @@ class ReplayRing:
             k_raw=torch.zeros(slots, n, num_k_heads, head_k_dim, dtype=activation_dtype, device=device),
             v_raw=torch.zeros(slots, n, num_v_heads, head_v_dim, dtype=activation_dtype, device=device),
             count=torch.zeros(slots, dtype=torch.int32, device=device),
-            phase=torch.zeros(slots, dtype=torch.int32, device=device))
+            phase=torch.zeros(slots, dtype=torch.int32, device=device),
+            folds=torch.zeros(slots, dtype=torch.int32, device=device),
+            faults=torch.zeros(slots, dtype=torch.int32, device=device))
 
     @property
     def history(self) -> int:
@@ -65,12 +85,13 @@ class ReplayRing:
 
 
 @triton.jit(do_not_specialize=["N", "accepted_all", "window"])
-def advance_kernel(count, phase, rec_indices, accepted, accepted_all, N, window, L: tl.constexpr,
+def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_all, N, window, L: tl.constexpr,
                    PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Grid ``(cdiv(N, BLOCK),)``: per row with a non-negative record slot, settle a fused fold of a
-    ``window``-token verify (``count + window > L``: ``count = 0``, ``phase ^= 1``), then
-    ``count += max(n, 0)`` with ``n = accepted[row]`` (``PER_ROW``) or ``accepted_all``.
-    ``count``, ``phase`` ``[R]`` int32; ``rec_indices``, ``accepted`` ``[N]``."""
+    ``window``-token verify (``count + window > L``: ``count = 0``, ``phase ^= 1``, ``folds += 1``), then
+    ``count += max(n, 0)`` with ``n = accepted[row]`` (``PER_ROW``) or ``accepted_all``; a count past L
+    sets :data:`FAULT_OVERFLOW`. ``count``, ``phase``, ``folds``, ``faults`` ``[R]`` int32; ``rec_indices``,
+    ``accepted`` ``[N]``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     r = tl.load(rec_indices + offs, mask=m, other=-1).to(tl.int64)
@@ -83,8 +104,22 @@ def advance_kernel(count, phase, rec_indices, accepted, accepted_all, N, window,
         n = tl.load(accepted + offs, mask=m, other=0)
     else:
         n = tl.zeros([BLOCK], dtype=tl.int32) + accepted_all
-    tl.store(count + slot, tl.where(folded, 0, c) + tl.maximum(n, 0), mask=ok)
+    new = tl.where(folded, 0, c) + tl.maximum(n, 0)
+    tl.store(count + slot, new, mask=ok)
     tl.store(phase + slot, tl.where(folded, 1 - ph, ph), mask=ok)
+    tl.store(folds + slot, tl.load(folds + slot, mask=ok, other=0) + folded.to(tl.int32), mask=ok)
+    tl.atomic_or(faults + slot, tl.full([BLOCK], _OVERFLOW, tl.int32), mask=ok & (new > L))
+
+
+@triton.jit
+def flag_nonfinite(faults, r, b_h):
+    """Set :data:`FAULT_NONFINITE` in ``faults[r]`` when the float32 tile ``b_h`` (a folded state, as
+    rounded for its destination) holds a NaN or an infinity: then the tile's sum is one too (a finite
+    state would have to sum past 3.4e38 to look like one). A sum rather than a per-element test: the
+    fold kernel's tile already fills the registers, and the element-wise flags made it spill."""
+    total = tl.sum(tl.sum(b_h, 1), 0)
+    if (total != total) | (tl.abs(total) > 3.4028234663852886e38):
+        tl.atomic_or(faults + r, _NONFINITE)
 
 
 def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tensor | int,
@@ -102,7 +137,7 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
     if per_row and accepted.dtype != torch.int32:
         raise TypeError(f"accepted lengths must be int32, not {accepted.dtype}")
     advance_kernel[(triton.cdiv(n, 256),)](
-        ring.count, ring.phase, record_indices, accepted if per_row else record_indices,
+        ring.count, ring.phase, ring.folds, ring.faults, record_indices, accepted if per_row else record_indices,
         0 if per_row else int(accepted), n, window, L=ring.history, PER_ROW=per_row, BLOCK=256)
 
 
@@ -121,14 +156,18 @@ def _slot_mask(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.T
 
 
 def after_fold(ring: ReplayRing, record_indices: torch.Tensor, folded: torch.Tensor) -> None:
-    """Cursor update once a fold of ``folded`` ``[N]`` requests has completed: empty history, other half."""
+    """Cursor update once a fold of ``folded`` ``[N]`` requests has completed: empty history, other half,
+    one more fold counted."""
     hit = _slot_mask(ring, record_indices, folded)
     ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
     ring.phase.copy_(torch.where(hit, 1 - ring.phase, ring.phase))
+    ring.folds.add_(hit.to(ring.folds.dtype))
 
 
 def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor) -> None:
-    """Empty the histories of the selected slots (a slot that just received a materialised state)."""
+    """Empty the histories of the selected slots (a slot that just received a materialised state): its
+    faults go with them."""
     hit = _slot_mask(ring, record_indices, selected)
     ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
     ring.phase.copy_(torch.where(hit, torch.zeros_like(ring.phase), ring.phase))
+    ring.faults.copy_(torch.where(hit, torch.zeros_like(ring.faults), ring.faults))

@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import gate_vector, l2normalize
-from .fold import replay_records
-from .ring import ReplayRing
+from ..delta_rule_step import apply_records, gate_vector, l2normalize, store_key_record
+from .ring import ReplayRing, flag_nonfinite
 
 
 @triton.jit
@@ -57,14 +56,15 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
     return idx, r_safe, valid, c, phase, fold
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["N", "T"])
 def replay_window_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
-    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
+    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices, order, order_counts, N,
     softplus_beta, softplus_threshold, scale, T,
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+    FOLD_FIRST: tl.constexpr,
 ):
     """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
     ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
@@ -73,7 +73,12 @@ def replay_window_kernel(
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
     and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
-    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
+    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``.
+
+    ``FOLD_FIRST`` (with ``FUSED_FOLD``): writes ``order`` ``[N]`` int32, the requests that fold first and the
+    others after (``order_counts`` ``[2]`` int32, zeroed by the caller, counts both), so that the output
+    launch starts its longest programs — those folding a history — in its first wave instead of leaving
+    them as its tail."""
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -90,8 +95,12 @@ def replay_window_kernel(
         p_dt_bias = dt_bias + i_hv
         p_a0 = a + bos * stride_a + i_hv
     p_b0 = b + bos * stride_b + i_hv
-    _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    _, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
+    if FOLD_FIRST:
+        if i_hv == 0:
+            slot = tl.atomic_add(order_counts + tl.where(fold, 0, 1), 1)
+            tl.store(order + tl.where(fold, slot, N - 1 - slot), i_n)
 
     # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
@@ -155,12 +164,8 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     pos = pos0 + t
     rec = live & valid
     tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k, mask=mask_k & rec & writes_k)
-    tl.store(r_kraw + (pos * H + i_h) * K + o_k, b_k_raw, mask=mask_k & rec & writes_k)
-    if IS_KDA:
-        tl.store(r_g + (pos * HV + i_hv) * K + o_k, b_g, mask=mask_k & rec)
-    else:
-        tl.store(r_g + pos * HV + i_hv, b_g, mask=rec)
-    tl.store(r_beta + pos * HV + i_hv, b_beta, mask=rec)
+    store_key_record(r_kraw, r_g, r_beta, pos, i_h, i_hv, rec & writes_k, rec, o_k, mask_k, b_k_raw, b_g, b_beta, H, HV,
+                     K, IS_KDA)
     return (b_Gt, b_Gw, tl.where(o_t[:, None] == t, b_k[None, :], b_kw),
             tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws))
 
@@ -168,10 +173,10 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
 @triton.jit(do_not_specialize=["T"])
 def replay_output_kernel(
     v, o, proj, h0_source, h0_indices,
-    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, rec_indices, T, stride_v,
+    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -180,11 +185,14 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint tile (the fold's exact recurrence from the raw records, rounded once and
-    stored) and continues with an empty history in the ring's other half. Per token t:
+    stored; a non-finite result flagged in ``r_faults``) and continues with an empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
-    sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``."""
+    sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
+    ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's fold-first order)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
+    if FOLD_FIRST:
+        i_n = tl.load(order + i_n)
     i_h = i_hv // (HV // H)
     bos = i_n * T
     o_k = tl.arange(0, K)
@@ -202,10 +210,11 @@ def replay_output_kernel(
         b_s0 += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
     if fold:  # the full history sits in the other half
-        b_s0 = replay_records(b_s0, r_g, r_beta, r_kraw, r_vraw, r * 2 * L + (1 - phase).to(tl.int64) * L,
-                              tl.load(r_count + r), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
+        b_s0 = apply_records(b_s0, r_kraw, r_vraw, r_g, r_beta, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                             tl.load(r_count + r), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
         tl.store(p_h0, b_s0.to(p_h0.dtype.element_ty), mask=mask_h)
         b_s0 = b_s0.to(p_h0.dtype.element_ty).to(tl.float32)
+        flag_nonfinite(r_faults, r, b_s0)
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
@@ -269,7 +278,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
+                  fold_first: bool = True, block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
                   dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
@@ -280,6 +289,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     are folded inside the output launch; the caller then settles the cursor with
     ``advance(ring, record_indices, accepted, window=T)`` — whatever the batch's fold pattern. Otherwise
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
+    ``fold_first`` (default, with ``fused_fold``): the output launch runs the folding requests' programs
+    first (an order the window launch builds with two atomic counters).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``window_warps``
@@ -308,17 +319,22 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
     scale = kdim ** -0.5 if scale is None else scale
+    fold_first = fold_first and fused_fold
+    order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
+    order_counts = torch.zeros(2, dtype=torch.int32, device=q.device) if fold_first else None
     replay_window_kernel[(n * hv,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
-        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order, order_counts, n,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
+        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, num_warps=window_warps, num_stages=1)
     o = q.new_empty(1, t_all, hv, vdim)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
-        ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, record_indices, T, v.stride()[1],
+        ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
+        T,
+        v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, NP=max(16, 2 * TP), IS_KDA=is_kda,
-        FUSED_FOLD=fused_fold, DOT=dot,
+        FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
         num_warps=warps, num_stages=2)
     return o
