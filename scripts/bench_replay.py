@@ -166,10 +166,10 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["dot"] = opt == "dot"
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
-            elif opt == "inorder":
-                kw["fold_first"] = False
+            elif opt in ("inorder", "foldfirst"):
+                kw["fold_first"] = opt == "foldfirst"
             else:
-                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot, :inorder")
+                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot, :inorder, :foldfirst")
         if kw.get("dot") and bv < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -224,11 +224,12 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot][:inorder]",
+    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot][:inorder|:foldfirst]",
                    help="replay launch variants to time side by side: the output launch's tiling (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
-                        "launch in request order instead of folding requests first (:inorder). The first listed is "
+                        "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
+                        "batch 8 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
                         "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. "
                         "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))

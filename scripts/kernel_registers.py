@@ -57,8 +57,9 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
                             num_warps: int, draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
-    (its default warps; fold-first order with a fused fold, as served) and the output kernel (``block_v`` columns on ``num_warps`` warps; the S0
-    projections on tensor cores for a window of more than one token, as served, where ``block_v >= 16``)."""
+    (its default warps) and the output kernel (``block_v`` columns on ``num_warps`` warps; the S0
+    projections on tensor cores for a window of more than one token, as served, where ``block_v >= 16``;
+    in fold-first order with a fused fold, as served from batch 8 on)."""
     import triton
 
     from sglang_ssm_modes.ops.replay.verify import WINDOW_WARPS, replay_output_kernel, replay_window_kernel
@@ -66,15 +67,16 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
     shared = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, L=history, TP=tp,
-                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold, FOLD_FIRST=fused_fold)
+                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
     ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
-                r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32", order="i32", order_counts="i32")
+                r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
         replay_window_kernel, dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
     output = _ptxas_resources(
-        replay_output_kernel, dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype]),
-        dict(shared, V=V, BV=min(block_v, V), NP=max(16, 2 * tp), DOT=draft_tokens > 1 and block_v >= 16), num_warps)
+        replay_output_kernel, dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32"),
+        dict(shared, V=V, BV=min(block_v, V), NP=max(16, 2 * tp), DOT=draft_tokens > 1 and block_v >= 16,
+             FOLD_FIRST=fused_fold), num_warps)
     return {"window": window, "output": output}
 
 

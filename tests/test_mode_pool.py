@@ -47,10 +47,10 @@ def cuda_scratch_on_cpu(monkeypatch):
     monkeypatch.setattr(torch, "zeros", zeros)
 
 
-def make_pool(mode, params=None, draft_tokens=4, size=6, history=8):
+def make_pool(mode, params=None, draft_tokens=4, size=6, history=8, device="cpu"):
     cfg = SSMModeConfig(mode=mode, draft_tokens=draft_tokens, replay_history=history)
     return ModeMambaPool(mode_config=cfg, size=size, spec_state_size=size, cache_params=params or gdn_params(),
-                         mamba_layer_ids=list(range(LAYERS)), device="cpu", speculative_num_draft_tokens=draft_tokens)
+                         mamba_layer_ids=list(range(LAYERS)), device=device, speculative_num_draft_tokens=draft_tokens)
 
 
 def test_heads_come_from_sglangs_cache_params():

@@ -88,7 +88,7 @@ def _sample(registry, name, **labels):
 
 
 def test_pool_observer_reports_faults_once_and_fills_the_metrics(caplog):
-    pool = make_pool("replay", draft_tokens=1, history=8)
+    pool = make_pool("replay", draft_tokens=1, history=8, device=DEVICE)
     registry = CollectorRegistry()
     observer = PoolObserver(pool, PoolMetrics({"model_name": "m"}, pool, registry=registry))
     rings = pool.replay_rings
@@ -96,7 +96,7 @@ def test_pool_observer_reports_faults_once_and_fills_the_metrics(caplog):
     rings.folds[0, 2], rings.folds[0, 4] = 2, 1
     rings.faults[1, 5] = FAULT_NONFINITE | FAULT_OVERFLOW
     running = [_req("req-a", 2), _req("req-b", 5)]
-    pool.copy_from(torch.tensor([2]), torch.tensor([3]))  # a radix-cache copy: one materialisation
+    pool.copy_from(torch.tensor([2], device=DEVICE), torch.tensor([3], device=DEVICE))  # a radix-cache copy: one materialisation
     with caplog.at_level(logging.ERROR, logger=metrics.__name__):
         observer.poll(running)  # starts the snapshot (on the CPU its copy is done at once)
         assert not caplog.records
@@ -122,7 +122,7 @@ def test_pool_observer_reports_faults_once_and_fills_the_metrics(caplog):
 
 def test_native_and_compact_pools_have_nothing_device_side_to_read(cuda_scratch_on_cpu):
     for mode in ("native", "compact"):
-        pool = make_pool(mode, draft_tokens=1)
+        pool = make_pool(mode, draft_tokens=1, device=DEVICE)
         observer = PoolObserver(pool)
         observer.poll([])
         observer.poll([])
@@ -132,7 +132,7 @@ def test_native_and_compact_pools_have_nothing_device_side_to_read(cuda_scratch_
 def test_report_decode_stats_polls_the_pool_every_log_interval(monkeypatch):
     """The hook on SGLang's ``SchedulerMetricsReporter.report_decode_stats``: SGLang's own stats run
     first, the pool is read only on log-interval steps, and metrics are created only when SGLang's are on."""
-    pool = make_pool("replay", draft_tokens=1, history=8)
+    pool = make_pool("replay", draft_tokens=1, history=8, device=DEVICE)
     polls = []
     monkeypatch.setattr(PoolObserver, "poll", lambda self, running: polls.append((self.metrics, running)))
     reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)

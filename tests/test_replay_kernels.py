@@ -13,7 +13,7 @@ from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_window_kernel
+from sglang_ssm_modes.ops.replay.verify import fold_order_kernel, replay_output_kernel, replay_window_kernel
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -221,15 +221,38 @@ def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
     assert torch.equal(ring.count, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_fold_order_puts_folding_requests_first(n):
+    """``fold_order_kernel`` (more requests than one block: 300 > 256 walks two): a permutation of the
+    batch, the requests whose window overflows first in request order, the others (padding rows among
+    them) after, from the back."""
+    L, T = 8, 3
+    gen = torch.Generator().manual_seed(n)
+    ring = ReplayRing.allocate(n + 4, L, 1, 1, 16, 16, False, torch.bfloat16, DEVICE)
+    ring.count.copy_(torch.randint(0, L - T + 2, (n + 4,), generator=gen).to(DEVICE))
+    rec_idx = torch.randperm(n + 4, generator=gen)[:n].to(torch.int32)
+    ring.count[rec_idx[0]], ring.count[rec_idx[-1]] = L, 0  # row 0 folds, the last row does not
+    state_idx = torch.arange(n, dtype=torch.int32)
+    state_idx[n // 2] = -1  # a padding row
+    rec_idx, state_idx = rec_idx.to(DEVICE), state_idx.to(DEVICE)
+    order = torch.full((n,), -7, dtype=torch.int32, device=DEVICE)
+    fold_order_kernel[(1,)](state_idx, rec_idx, ring.count, order, n, T, L=L, BLOCK=256)
+    folds = ((state_idx >= 0) & (ring.count[rec_idx.long()] + T > L)).cpu()
+    expect = torch.cat([torch.nonzero(folds).flatten(), torch.nonzero(~folds).flatten().flip(0)])
+    assert torch.equal(order.cpu().long(), expect)
+    assert 0 < int(folds.sum()) < n or n == 1
+
+
 def test_request_count_is_not_a_compile_time_constant():
-    """No kernel takes the request count as a constexpr; the window launch's ``N`` (for the fold-first
-    order) and both launches' window length ``T`` are runtime integers Triton must not specialise."""
-    for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_fold_kernel, set())):
+    """No kernel takes the request count as a constexpr; the order launch's ``N`` and the window length
+    ``T`` are runtime integers Triton must not specialise."""
+    for jit, runtime in ((replay_window_kernel, {"T"}), (replay_output_kernel, {"T"}), (fold_order_kernel, {"N", "T"}),
+                         (replay_fold_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty
                        for name in ("N", "B", "batch", "num_requests") if name in params)
         assert {name for name in ("N", "B", "batch", "num_requests") if name in params} <= runtime
-        marked = getattr(jit, "do_not_specialize", None) or jit.kwargs.get("do_not_specialize") or []
+        marked = getattr(jit, "do_not_specialize", None) or getattr(jit, "kwargs", {}).get("do_not_specialize") or []
         assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == runtime
 
 

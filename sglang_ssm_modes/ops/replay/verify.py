@@ -18,7 +18,8 @@ Two launches split the work by the axis it runs over:
 * :func:`replay_output_kernel` (one program per ``BV`` value columns, as SGLang's native decode) reads
   its checkpoint tile and its columns of the history's ``u``, solves the window's ``u`` and outputs with
   those coefficients, and appends the value-side records (``u``, raw v). A request whose window would
-  overflow is folded here, tile by tile, in the same launch.
+  overflow is folded here, tile by tile, in the same launch — first, when the batch is large enough:
+  :func:`fold_order_kernel` (a one-program launch) orders the requests so that folding ones come first.
 
 The checkpoint, by far the largest read, is read once, by programs as small as native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
@@ -56,15 +57,14 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
     return idx, r_safe, valid, c, phase, fold
 
 
-@triton.jit(do_not_specialize=["N", "T"])
+@triton.jit(do_not_specialize=["T"])
 def replay_window_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
-    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices, order, order_counts, N,
+    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
     softplus_beta, softplus_threshold, scale, T,
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    FOLD_FIRST: tl.constexpr,
 ):
     """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
     ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
@@ -73,12 +73,7 @@ def replay_window_kernel(
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
     and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
-    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``.
-
-    ``FOLD_FIRST`` (with ``FUSED_FOLD``): writes ``order`` ``[N]`` int32, the requests that fold first and the
-    others after (``order_counts`` ``[2]`` int32, zeroed by the caller, counts both), so that the output
-    launch starts its longest programs — those folding a history — in its first wave instead of leaving
-    them as its tail."""
+    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -95,12 +90,8 @@ def replay_window_kernel(
         p_dt_bias = dt_bias + i_hv
         p_a0 = a + bos * stride_a + i_hv
     p_b0 = b + bos * stride_b + i_hv
-    _, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
-    if FOLD_FIRST:
-        if i_hv == 0:
-            slot = tl.atomic_add(order_counts + tl.where(fold, 0, 1), 1)
-            tl.store(order + tl.where(fold, slot, N - 1 - slot), i_n)
 
     # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
@@ -170,6 +161,30 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
             tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws))
 
 
+@triton.jit(do_not_specialize=["N", "T"])
+def fold_order_kernel(h0_indices, rec_indices, r_count, order, N, T, L: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(1,)``: ``order`` ``[N]`` int32, a permutation of the requests with those whose window would
+    overflow their history (``count + T > L``, as :func:`window_cursor` decides a fused fold) first, in
+    request order, and the others after them, from the back. The output launch then starts its longest
+    programs — those that fold — in its first wave instead of leaving them as its tail. Deterministic
+    (scans, no atomics); one program walks the batch ``BLOCK`` requests at a time."""
+    folds_before = 0
+    rest_before = 0
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < N
+        idx = tl.load(h0_indices + offs, mask=m, other=-1)
+        r = tl.load(rec_indices + offs, mask=m, other=-1)
+        valid = m & (idx >= 0) & (r >= 0)
+        c = tl.load(r_count + tl.maximum(r, 0).to(tl.int64), mask=valid, other=0)
+        f = (valid & (c + T > L)).to(tl.int32)
+        rest = m.to(tl.int32) - f
+        tl.store(order + folds_before + tl.cumsum(f, 0) - f, offs, mask=f > 0)
+        tl.store(order + N - 1 - (rest_before + tl.cumsum(rest, 0) - rest), offs, mask=rest > 0)
+        folds_before += tl.sum(f, 0)
+        rest_before += tl.sum(rest, 0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def replay_output_kernel(
     v, o, proj, h0_source, h0_indices,
@@ -188,7 +203,7 @@ def replay_output_kernel(
     stored; a non-finite result flagged in ``r_faults``) and continues with an empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
-    ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's fold-first order)."""
+    ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if FOLD_FIRST:
@@ -269,6 +284,9 @@ WINDOW_WARPS = 4
 """Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): beside 2
 and 8, the fastest at L = 64 (2: up to 40 % slower) and within 4 % of 2 at L = 16
 (bench/results/replay/split_20261203/run3_a595fe2)."""
+FOLD_FIRST_MIN_REQUESTS = 8
+"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_kernel`): at batch
+1 the extra launch costs more than it saves, from 32 on it saves up to 20 % (bench/results/replay)."""
 OUTPUT_TILING = (16, 1)
 """``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
 tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
@@ -278,7 +296,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  fold_first: bool = True, block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
+                  fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
                   dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
@@ -289,8 +307,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     are folded inside the output launch; the caller then settles the cursor with
     ``advance(ring, record_indices, accepted, window=T)`` — whatever the batch's fold pattern. Otherwise
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
-    ``fold_first`` (default, with ``fused_fold``): the output launch runs the folding requests' programs
-    first (an order the window launch builds with two atomic counters).
+    ``fold_first`` (with ``fused_fold``; default: from :data:`FOLD_FIRST_MIN_REQUESTS` requests on): the
+    output launch runs the folding requests' programs first (:func:`fold_order_kernel`, one more launch).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``window_warps``
@@ -319,15 +337,17 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
     scale = kdim ** -0.5 if scale is None else scale
-    fold_first = fold_first and fused_fold
-    order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
-    order_counts = torch.zeros(2, dtype=torch.int32, device=q.device) if fold_first else None
+    fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
+    order = None
+    if fold_first:
+        order = torch.empty(n, dtype=torch.int32, device=q.device)
+        fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
     replay_window_kernel[(n * hv,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
-        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order, order_counts, n,
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, num_warps=window_warps, num_stages=1)
+        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
     o = q.new_empty(1, t_all, hv, vdim)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
