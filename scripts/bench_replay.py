@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                         "num_warps), optionally the window launch's warps (:w2), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
-                        "batch 8 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
+                        "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
                         "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. "
                         "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))

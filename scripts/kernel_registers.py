@@ -59,7 +59,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
     (its default warps) and the output kernel (``block_v`` columns on ``num_warps`` warps; the S0
     projections on tensor cores for a window of more than one token, as served, where ``block_v >= 16``;
-    in fold-first order with a fused fold, as served from batch 8 on)."""
+    in fold-first order with a fused fold, as served from batch 32 on)."""
     import triton
 
     from sglang_ssm_modes.ops.replay.verify import WINDOW_WARPS, replay_output_kernel, replay_window_kernel

@@ -284,9 +284,12 @@ WINDOW_WARPS = 4
 """Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): beside 2
 and 8, the fastest at L = 64 (2: up to 40 % slower) and within 4 % of 2 at L = 16
 (bench/results/replay/split_20261203/run3_a595fe2)."""
-FOLD_FIRST_MIN_REQUESTS = 8
-"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_kernel`): at batch
-1 the extra launch costs more than it saves, from 32 on it saves up to 20 % (bench/results/replay)."""
+FOLD_FIRST_MIN_REQUESTS = 32
+"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_kernel`). On the
+H200 (bench/results/replay/foldfirst_20261203) the order launch costs 2-3 µs: below batch 8 that is all it
+does, at 8 and 16 it is a wash (within 3 µs either way), from 32 on fold-first is as fast or faster
+everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding programs would
+otherwise be the launch's tail."""
 OUTPUT_TILING = (16, 1)
 """``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
 tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
