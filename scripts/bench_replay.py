@@ -6,6 +6,10 @@
   output-only verify of one token, cursor advance.
 * ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
   KDA ours); replay = masked fold, output-only verify of D tokens, cursor advance.
+* ``upstream-replayssm`` rows (decode only): upstream SGLang's ReplaySSM decode kernel from the
+  sglang 0.5.23 wheel (``scripts/upstream_replayssm.py``; ``--upstream DIR``, by default the folder its
+  ``extract`` fills), on the same pool with its own ring of L - 1 records and cursors spread the same
+  way. Without the extracted kernel there are no such rows, and the report says so.
 
 Cursors start spread over the ring (request i has ``i mod L`` records), so folds are amortised as in
 serving; every timed step includes the fold launch and its share of folding work. Timing: CUDA-graph
@@ -28,12 +32,16 @@ import sys
 
 import torch
 
+import upstream_replayssm
 from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, kernel_times,
                           make_inputs, parse_tilings, plot_speedups, time_graph)
+from sglang_ssm_modes.sizing import SLOT_WORDS_BYTES
+
+NATIVE_IMPLS = ("sglang-0.5.14-native", "ours-native")
 
 KERNELS = {"replay_window": "window", "replay_output": "output", "advance": "advance", "replay_fold": "fold",
            "packed_decode": "decode", "fused_sigmoid_gating": "verify", "verify_window": "verify",
-           "scatter": "scatter"}
+           "scatter": "scatter", "replayssm": "upstream"}
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -43,7 +51,8 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1", {}),), resources=None):
+def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1", {}),), resources=None,
+               upstream=None):
     """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
     the separate fold) for one case; rows.
     ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
@@ -106,6 +115,21 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1"
 
         native = ("decode", "sglang-0.5.14-native", native_step, 2 * batch * state_bytes,
                   f"{decode_fn.__name__}")
+        if upstream is not None:  # its own ring on the same pool, cursors spread as ours
+            up_ring = upstream_replayssm.UpstreamRing.allocate(rounds * batch + 1, history, hk, hv, K, V, is_kda, "cuda")
+            up_pos = [(torch.arange(batch, device="cuda") % history).to(torch.int32) for _ in range(rounds)]
+            up_out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
+
+            def upstream_step(r):
+                upstream_replayssm.decode(upstream, x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"],
+                                          pool, groups[r], up_ring, up_pos[r], is_kda=is_kda, out=up_out)
+                upstream_replayssm.advance(up_pos[r], history)
+
+            up_rec = hv * V * 4 + hk * K * 4 + hv * (K if is_kda else 1) * 4  # d, k (per key head), g: float32
+            upstream_row = ("upstream-replayssm", "upstream", upstream_step,
+                            batch * (state_bytes * (1 + 1 / history) + (history / 2) * up_rec),
+                            "fused_recurrent_linear_replayssm_decode (sglang 0.5.23) + write_pos advance",
+                            state_bytes + history * up_rec + 4)
     else:
         inter = torch.zeros(batch, d, hv, V, K, dtype=sd, device="cuda")
         inter_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -128,7 +152,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1"
                   batch * (1 + d + 2) * state_bytes, "verify(intermediate states)+fused_mamba_state_scatter_with_mask")
     op, impl, fn, nbytes, path = native
     native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
-    replay_per_req = state_bytes + 2 * history * rec + 8
+    replay_per_req = state_bytes + 2 * history * rec + SLOT_WORDS_BYTES
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {name}", replay_step_fused(variant), replay_bytes,
@@ -136,7 +160,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1"
                replay_per_req) for name, variant in variants),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
-             replay_per_req)):
+             replay_per_req),
+            *((upstream_row,) if d == 1 and upstream is not None else ())):
         key = (family, dtype_name, history, d, round_beta, fold)
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel},
@@ -144,7 +169,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1"
         us = time_graph(fn_, rounds)
         parts = kernel_times(fn_, rounds, KERNELS)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
-                         history=history if impl_ == "ours-replay" else None, fold=fold, median_us=round(us, 2),
+                         history=history if impl_ not in NATIVE_IMPLS else None, fold=fold, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path=path_,
                          verify_kernel_resources=resources.get(key), kernel_us=parts))
@@ -187,18 +212,19 @@ def write_report(result, out_dir):
         json.dump(result, f, indent=1)
     rows = result["rows"]
     key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
-    nat = {key(r): r for r in rows if r["impl"] != "ours-replay"}
+    nat = {key(r): r for r in rows if r["impl"] in NATIVE_IMPLS}
     lines = [f"# Replay vs native — {result['gpu']}, {result['date']}, commit {result['commit']}", "",
              f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / replay µs (same run). "
              "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
              "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
-             "(`separate`).", "",
+             "(`separate`); `upstream` rows are upstream SGLang's ReplaySSM decode "
+             f"({result.get('upstream', 'not run')}).", "",
              "Kernels: device µs per step of each launch (CUDA profiler, eager), beside the CUDA-graph median.", "",
              *([result["note"], ""] if result.get("note") else []),
              "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
              "| replay kernels µs | verify kernel |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["impl"] == "ours-replay"), key=lambda r: (*key(r), r["history"], r["fold"])):
+    for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS), key=lambda r: (*key(r), r["history"], r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
@@ -209,8 +235,8 @@ def write_report(result, out_dir):
         f.write("\n".join(lines) + "\n")
     points = {}
     for r in rows:
-        if r["impl"] == "ours-replay" and r["fold"] == rows_fold_served(rows):
-            label = f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
+        if r["fold"] in (rows_fold_served(rows), "upstream"):
+            label = ("upstream " if r["fold"] == "upstream" else "") + f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
             points.setdefault(r["family"], {}).setdefault(label, []).append(
                 (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
     plot_speedups(points, "native / replay", os.path.join(out_dir, "replay_h200.png"))
@@ -232,6 +258,9 @@ def main(argv=None) -> int:
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
                         "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. "
                         "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma")
+    p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
+                   help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
+                        "extract); decode rows of it are added when it is there")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
@@ -244,17 +273,21 @@ def main(argv=None) -> int:
         p.error("needs a CUDA GPU")
     from tqdm import tqdm
 
+    upstream, source = None, f"not extracted at {args.upstream}"
+    if os.path.isfile(os.path.join(args.upstream, upstream_replayssm.MODULE)):
+        upstream = upstream_replayssm.load(args.upstream)
+        source = open(os.path.join(args.upstream, "SOURCE")).read().split(" sha256")[0]
     bw = copy_bandwidth_gbps()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=args.commit,
-                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, rows=[])
+                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, upstream=source, rows=[])
     cases = [(f, dt, b, d, L) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens
              for L in args.histories for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
     resources = {}
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw, variants, resources)
+        new = bench_case(*case, bw, variants, resources, upstream)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
-        result["rows"] += [r for r in new if r["impl"] == "ours-replay" or not any(
+        result["rows"] += [r for r in new if r["impl"] not in NATIVE_IMPLS or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
             (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"]) for o in result["rows"])]
         with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:

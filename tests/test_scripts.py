@@ -83,9 +83,10 @@ def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
 
 def test_bench_replay_variants_name_the_launch_options():
     p = bench_replay.argparse.ArgumentParser()
-    assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot"]) == [
+    assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot", "16x1:inorder", "16x1:foldfirst"]) == [
         ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
-        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True))]
+        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)), ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
+        ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():
@@ -101,13 +102,18 @@ def test_bench_replay_report_from_rows(tmp_path):
             dict(base, op="decode", impl="ours-replay", history=16, fold="fused 32x4", median_us=100.0, frac_copy_bw=0.7,
                  verify_kernel_resources="168 regs, 0 spills", kernel_us={"window": 20.0, "output": 78.5}),
             dict(base, op="decode", impl="ours-replay", history=16, fold="separate", median_us=175.0, frac_copy_bw=0.4),
-            dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0, frac_copy_bw=0.7)]
-    bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, rows=rows), str(tmp_path))
+            dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0, frac_copy_bw=0.7),
+            dict(base, op="decode", impl="upstream-replayssm", history=16, fold="upstream", median_us=120.0,
+                 frac_copy_bw=0.6, kernel_us={"upstream": 110.0})]
+    bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, upstream="sglang-0.5.23-x.whl",
+                                   rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
     assert ("| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 | window 20.0 + output 78.5 "
             "| 168 regs, 0 spills |") in table
     assert "| kda | float32 | 1 | 16 | 128 | separate | 140.0 | 175.0 | 0.80× |" in table
     assert "| kda | float32 | 1 | 32 | 128 | fused 32x4 | 140.0 | 112.0 | 1.25× |" in table
+    assert "| kda | float32 | 1 | 16 | 128 | upstream | 140.0 | 120.0 | 1.17× | 0.90 | 0.60 | upstream 110.0 |" in table
+    assert "(sglang-0.5.23-x.whl)" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
 
 
