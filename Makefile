@@ -25,11 +25,18 @@ demo: venv
 memory: venv
 	$(BIN)/python -m sglang_ssm_modes memory
 
-test: venv
+# Upstream SGLang's ReplaySSM decode kernel, taken out of the sglang 0.5.23 wheel (never committed):
+# tests/test_upstream_replayssm.py checks the benchmark's calls to it against the reference.
+UPSTREAM := .gpu/upstream-sglang-0.5.23/fused_recurrent_linear_replayssm.py
+
+$(UPSTREAM): | venv
+	$(BIN)/python scripts/upstream_replayssm.py extract --out $(dir $(UPSTREAM))
+
+test: venv $(UPSTREAM)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Skip tests marked slow (interpreter-heavy); CI runs everything.
-test-fast: venv
+test-fast: venv $(UPSTREAM)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
