@@ -41,6 +41,14 @@ def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkey
     assert (running > 0) == (draft > 1)
     # the line scripts/e2e_servers.py reads the allocated pool from
     assert f"mamba pool allocated: mode={mode} slots={size} bytes={round(pool.mem_usage * GB)}" in caplog.text
+    # the verify path, said at startup: replay's trees go through compact's records
+    if draft > 1:
+        path = "compact" if mode == "compact" or topk > 1 else "replay"
+        shape_name = "tree" if topk > 1 else "chain"
+        assert f"speculative verify of {draft} draft tokens ({shape_name}): {path} kernels" in caplog.text
+        assert ("replay serves trees through compact's records" in caplog.text) == (mode == "replay" and topk > 1)
+    else:
+        assert "speculative verify" not in caplog.text
     # the sizing model (`python -m sglang_ssm_modes memory`) charges the same bytes
     family = pool.heads.family
     shape = LinearAttnShape(family=family, num_linear_layers=len(params().layers), num_v_heads=pool.heads.num_v_heads,

@@ -59,6 +59,12 @@ def init_mamba_pool(original, self, **kwargs):
     pool = self.mamba_pool
     logger.info("sglang-ssm-modes: mamba pool allocated: mode=%s slots=%d bytes=%d", cfg.mode, pool.size,
                 round(pool.mem_usage * GB))
+    if cfg.mode != "native" and cfg.draft_tokens > 1:
+        shape = "tree" if pool.tree_verify else "chain"
+        routed = " (replay serves trees through compact's records and commit)" if cfg.mode != pool.verify_path else ""
+        logger.info("sglang-ssm-modes: speculative verify of %d draft tokens (%s): %s kernels%s; plain decode: %s",
+                    cfg.draft_tokens, shape, pool.verify_path, routed,
+                    "replay kernels" if cfg.mode == "replay" else "SGLang's decode kernel")
 
 
 def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | None) -> tuple[int, int]:
