@@ -116,7 +116,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1"
         native = ("decode", "sglang-0.5.14-native", native_step, 2 * batch * state_bytes,
                   f"{decode_fn.__name__}")
         if upstream is not None:  # its own ring on the same pool, cursors spread as ours
-            up_ring = upstream_replayssm.UpstreamRing.allocate(rounds * batch + 1, history, hk, hv, K, V, is_kda, "cuda")
+            up_ring = upstream_replayssm.UpstreamRing.allocate(rounds * batch + 1, history, hk, hv, K, V, is_kda,
+                                                               "cuda")
             up_pos = [(torch.arange(batch, device="cuda") % history).to(torch.int32) for _ in range(rounds)]
             up_out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
 
@@ -224,7 +225,8 @@ def write_report(result, out_dir):
              "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
              "| replay kernels µs | verify kernel |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS), key=lambda r: (*key(r), r["history"], r["fold"])):
+    for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS),
+                    key=lambda r: (*key(r), r["history"], r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
@@ -236,7 +238,8 @@ def write_report(result, out_dir):
     points = {}
     for r in rows:
         if r["fold"] in (rows_fold_served(rows), "upstream"):
-            label = ("upstream " if r["fold"] == "upstream" else "") + f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}"
+            label = (("upstream " if r["fold"] == "upstream" else "")
+                     + f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}")
             points.setdefault(r["family"], {}).setdefault(label, []).append(
                 (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
     plot_speedups(points, "native / replay", os.path.join(out_dir, "replay_h200.png"))

@@ -74,9 +74,12 @@ SPEC = {
 }
 MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["--ssm-state-mode", "replay"]}
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
-            "fp32": ["--dtype", "float32"], "hicache": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"], "metrics": ["--enable-metrics"]}
+            "fp32": ["--dtype", "float32"],
+            "hicache": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"],
+            "metrics": ["--enable-metrics"]}
 """``hicache``: SGLang 0.5.14's host mamba pool takes only the ``page_first_direct`` layout (its default,
-``page_first``, is refused at startup in every mode). ``fp32`` runs the whole model in float32: with bfloat16 activations a float32-rounding difference in one
+``page_first``, is refused at startup in every mode). ``fp32`` runs the whole model in float32: with bfloat16
+activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
 FAMILY = {"qwen3-next": "gdn", "kimi-linear": "kda", "qwen3.5": "gdn"}

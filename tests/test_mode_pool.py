@@ -69,6 +69,7 @@ def test_buffers_and_memory_per_mode(cuda_scratch_on_cpu):
     assert compact.compact_records.k.shape == (LAYERS, 7, 4, HK, KD) and compact.replay_rings is None
     assert replay.replay_rings.u.shape == (LAYERS, 7, 16, HV, VD) and replay.compact_records is None
     assert compact.mem_usage < replay.mem_usage < native.mem_usage
+    assert (native.decode_path, compact.decode_path, replay.decode_path) == ("native", "native", "replay")
     assert compact.mem_usage < 0.3 * native.mem_usage
     # PD buffer descriptions: the same tensors, shapes and item sizes as native's
     for pool in (compact, replay):

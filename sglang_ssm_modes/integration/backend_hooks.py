@@ -169,7 +169,7 @@ def _replay_extend(backend, pool: ModeMambaPool, layer, forward_batch) -> None:
 def forward_decode(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     """``GDNAttnBackend.forward_decode`` / ``KDAAttnBackend.forward_decode``."""
     pool = _mode_pool(self)
-    if pool is None or pool.mode != "replay":
+    if pool is None or pool.decode_path != "replay":
         return original(self, layer=layer, forward_batch=forward_batch, mixed_qkv=mixed_qkv, a=a, b=b, **kwargs)
     return _replay_decode(self, pool, layer, forward_batch, mixed_qkv, a, b, _is_kda(self))
 

@@ -61,9 +61,8 @@ class PoolMetrics:
                      labelnames=names + ["mode", "history", "draft_tokens", "decode_path", "verify_path"],
                      multiprocess_mode="mostrecent", registry=registry)
         cfg = pool.mode_config
-        decode_path = "replay" if cfg.mode == "replay" else "native"
         info.labels(**labels, mode=cfg.mode, history=str(cfg.replay_history if cfg.mode == "replay" else 0),
-                    draft_tokens=str(cfg.draft_tokens), decode_path=decode_path,
+                    draft_tokens=str(cfg.draft_tokens), decode_path=pool.decode_path,
                     verify_path=pool.verify_path if cfg.draft_tokens > 1 else "none").set(1)
 
 

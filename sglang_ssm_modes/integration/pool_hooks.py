@@ -64,7 +64,7 @@ def init_mamba_pool(original, self, **kwargs):
         routed = " (replay serves trees through compact's records and commit)" if cfg.mode != pool.verify_path else ""
         logger.info("sglang-ssm-modes: speculative verify of %d draft tokens (%s): %s kernels%s; plain decode: %s",
                     cfg.draft_tokens, shape, pool.verify_path, routed,
-                    "replay kernels" if cfg.mode == "replay" else "SGLang's decode kernel")
+                    "replay kernels" if pool.decode_path == "replay" else "SGLang's decode kernel")
 
 
 def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | None) -> tuple[int, int]:

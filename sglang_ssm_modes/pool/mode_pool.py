@@ -178,6 +178,12 @@ class ModeMambaPool(MambaPool):
             self.mem_usage += sum(t.nbytes for t in self.replay_rings.buffers().values()) / GB
 
     @property
+    def decode_path(self) -> str:
+        """The kernels a plain decode of this pool runs: ``replay`` (output-only, against checkpoint +
+        history) or ``native`` (SGLang's decode kernel: native and compact)."""
+        return "replay" if self.mode == "replay" else "native"
+
+    @property
     def verify_path(self) -> str:
         """The kernels a speculative verify of this pool runs: ``native`` (per-step states),
         ``compact`` (records; also replay's route for tree verify) or ``replay`` (chain)."""

@@ -6,5 +6,5 @@ from .fold import fold_into_checkpoints, replay_fold
 from .ring import FAULT_NONFINITE, FAULT_OVERFLOW, ReplayRing, advance, after_fold, clear_history, fold_needed
 from .verify import replay_verify
 
-__all__ = ["FAULT_NONFINITE", "FAULT_OVERFLOW", "ReplayRing", "advance", "after_fold", "clear_history", "fold_into_checkpoints", "fold_needed", "replay_fold",
-           "replay_verify"]
+__all__ = ["FAULT_NONFINITE", "FAULT_OVERFLOW", "ReplayRing", "advance", "after_fold", "clear_history",
+           "fold_into_checkpoints", "fold_needed", "replay_fold", "replay_verify"]

@@ -200,7 +200,8 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint tile (the fold's exact recurrence from the raw records, rounded once and
-    stored; a non-finite result flagged in ``r_faults``) and continues with an empty history in the ring's other half. Per token t:
+    stored; a non-finite result flagged in ``r_faults``) and continues with an empty history in the ring's
+    other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
@@ -299,8 +300,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
-                  fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None, window_warps: int = WINDOW_WARPS,
-                  dot: bool | None = None) -> torch.Tensor:
+                  fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
+                  window_warps: int = WINDOW_WARPS, dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
     (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
@@ -355,8 +356,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
-        T,
-        v.stride()[1],
+        T, v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, NP=max(16, 2 * TP), IS_KDA=is_kda,
         FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
         num_warps=warps, num_stages=2)
