@@ -194,8 +194,13 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["window_warps"] = int(opt[1:])
             elif opt in ("inorder", "foldfirst"):
                 kw["fold_first"] = opt == "foldfirst"
+            elif opt[:1] == "k" and opt[1:] in ("16", "32", "64", "128"):
+                kw["block_k"] = int(opt[1:])
+            elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
+                kw["num_stages"] = int(opt[1:])
             else:
-                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :fma, :dot, :inorder, :foldfirst")
+                parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
+                             ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst")
         if kw.get("dot") and bv < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -253,14 +258,15 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:fma|:dot][:inorder|:foldfirst]",
+    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst]",
                    help="replay launch variants to time side by side: the output launch's tiling (block_v x "
-                        "num_warps), optionally the window launch's warps (:w2), the S0 projections on CUDA "
+                        "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
+                        "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
                         "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. "
-                        "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma")
+                        "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")

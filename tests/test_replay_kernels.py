@@ -155,8 +155,8 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv):
-    """``block_v`` / ``num_warps`` / ``window_warps`` / ``dot`` (what the benchmark sweeps) tile the two
-    launches; checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for
+    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` (what the
+    benchmark sweeps) tile the two launches; checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for
     every variant. Outputs and ``u`` agree to float32 rounding: their reductions over K follow the launch
     layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never a fold (folds replay
     the raw records)."""
@@ -166,7 +166,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
     results = []
     for variant in (dict(block_v=16, num_warps=1), dict(block_v=32, num_warps=4, window_warps=1),
                     dict(block_v=8, num_warps=1, dot=False),
-                    dict(block_v=16, num_warps=2, window_warps=2, dot=False)):
+                    dict(block_v=16, num_warps=2, window_warps=2, dot=False),
+                    dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False),  # 2 fold passes, 2 K steps
+                    dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True)):
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
         ring.count.fill_(L - 1)  # every request folds inside the launch
         gen = torch.Generator().manual_seed(51)
@@ -193,6 +195,13 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
     with pytest.raises(ValueError, match="at least 16 columns"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=8, dot=True)
+    for bad in (12, 32):  # not a power of two; more rows than K has
+        with pytest.raises(ValueError, match="block_k"):
+            replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                          state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=bad)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=8, dot=True)
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])

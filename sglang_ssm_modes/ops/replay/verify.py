@@ -189,19 +189,20 @@ def fold_order_kernel(h0_indices, rec_indices, r_count, order, N, T, L: tl.const
 def replay_output_kernel(
     v, o, proj, h0_source, h0_indices,
     r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, T, stride_v,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
     FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
-    ``h0_indices`` ``[N]``, one ``[K, BV]`` tile per program, read once. A row with a negative slot or
-    record index (padding) reads no history and writes nothing but its outputs.
+    ``h0_indices`` ``[N]``; a program reads its ``[K, BV]`` columns once, ``[BK, BV]`` at a time in a loop
+    the compiler pipelines (``num_stages``), projecting each K tile onto the window's ``e^{G_t} k_t`` and
+    ``e^{G_t} q_t`` (tensor cores with ``DOT``). A row with a negative slot or record index (padding) reads
+    no history and writes nothing but its outputs.
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
-    replayed into its checkpoint tile (the fold's exact recurrence from the raw records, rounded once and
-    stored; a non-finite result flagged in ``r_faults``) and continues with an empty history in the ring's
-    other half. Per token t:
+    replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
+    by the loop; it continues with an empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
@@ -211,58 +212,89 @@ def replay_output_kernel(
         i_n = tl.load(order + i_n)
     i_h = i_hv // (HV // H)
     bos = i_n * T
-    o_k = tl.arange(0, K)
+    o_bk = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    mask_k = o_k < K
     mask_v = o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
 
     idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
-    b_s0 = tl.zeros([K, BV], dtype=tl.float32)
-    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
-    if idx >= 0:
-        b_s0 += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
     rec0 = r * 2 * L + phase.to(tl.int64) * L
     if fold:  # the full history sits in the other half
-        b_s0 = apply_records(b_s0, r_kraw, r_vraw, r_g, r_beta, r * 2 * L + (1 - phase).to(tl.int64) * L,
-                             tl.load(r_count + r), i_h, i_hv, o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
-        tl.store(p_h0, b_s0.to(p_h0.dtype.element_ty), mask=mask_h)
-        b_s0 = b_s0.to(p_h0.dtype.element_ty).to(tl.float32)
-        flag_nonfinite(r_faults, r, b_s0)
+        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
+        tl.debug_barrier()  # the loop below reads the folded columns other threads stored
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
-    b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
+    # the checkpoint's projections: [BV, NP] (DOT; columns ke_0.., qe_0..) or [TP, BV] rows per token
     o_p = tl.arange(0, NP)
+    tok = tl.where(o_p < TP, o_p, o_p - TP)
+    m_p = (o_p < 2 * TP) & (tok < T)
+    p_prow = proj + ((bos + tok)[:, None] * HV + i_hv) * W + tl.where(o_p < TP, 0, K)[:, None]
     b_sp = tl.zeros([BV, NP], dtype=tl.float32)
-    if DOT:  # every S0 projection at once on tensor cores: [BV, K] x [K, NP], columns ke_0.., qe_0..
-        tok = tl.where(o_p < TP, o_p, o_p - TP)
-        m_p = (o_p < 2 * TP) & (tok < T)
-        b_p = tl.load(proj + ((bos + tok)[:, None] * HV + i_hv) * W + tl.where(o_p < TP, 0, K)[:, None] + o_k[None, :],
-                      mask=m_p[:, None], other=0)
-        b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), input_precision="tf32x3")
+    b_sk = tl.zeros([TP, BV], dtype=tl.float32)
+    b_sq = tl.zeros([TP, BV], dtype=tl.float32)
+    m_h = mask_v[None, :] & (idx >= 0)
+    for kk in range(0, K // BK):
+        o_k = kk * BK + o_bk
+        b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
+        if DOT:  # [BV, BK] x [BK, NP] on tensor cores
+            b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
+            b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
+        else:
+            for t in tl.static_range(TP):
+                p_row = proj + ((bos + t) * HV + i_hv) * W
+                b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
+                b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
+                b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * b_ke[:, None], 0)[None, :], b_sk)
+                b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * b_qe[:, None], 0)[None, :], b_sq)
+    b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
-        b_uw = output_token(t, t < T, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid,
-                            stride_v, o_k, o_v, o_l, o_t, o_p, mask_v, HV, K, V, L, TP, W, DOT)
+        if DOT:
+            s0k = tl.sum(tl.where(o_p[None, :] == t, b_sp, 0), 1)
+            s0q = tl.sum(tl.where(o_p[None, :] == TP + t, b_sp, 0), 1)
+        else:
+            s0k = tl.sum(tl.where(o_t[:, None] == t, b_sk, 0), 0)
+            s0q = tl.sum(tl.where(o_t[:, None] == t, b_sq, 0), 0)
+        b_uw = output_token(t, t < T, s0k, s0q, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid,
+                            stride_v, o_v, o_l, o_t, mask_v, HV, K, V, L, TP, W)
 
 
 @triton.jit
-def output_token(t, live, b_s0, b_sp, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_k, o_v,
-                 o_l, o_t, o_p, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                 TP: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr):
-    """Token t of the output launch (``live``: t < T): its ``u`` and output from the checkpoint tile
-    ``b_s0`` (or, with ``DOT``, its projections ``b_sp``), the history's ``b_uh`` and the window's
-    ``b_uw``; stores the output and (real rows) the ``u`` and raw ``v`` records; returns ``b_uw`` with
-    row t set."""
+def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, i_h, i_hv, i_v, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FBV: tl.constexpr,
+                 IS_KDA: tl.constexpr):
+    """The fused fold of one output program: its ``BV`` checkpoint columns at ``p_h0`` (``[V, K]``, one
+    request and value head) advanced over the ``count`` records of ring slot ``r`` from ``pos0``, ``FBV``
+    full-K columns at a time (value columns evolve independently; a ``[K, FBV]`` float32 tile is what the
+    registers hold), each rounded once, stored, and checked (:func:`~.ring.flag_nonfinite`)."""
+    o_k = tl.arange(0, K)
+    mask_k = o_k < K
+    n_rec = tl.load(r_count + r)
+    for j in range(0, BV // FBV):
+        o_vf = i_v * BV + j * FBV + tl.arange(0, FBV)
+        mask_vf = o_vf < V
+        p_tile = p_h0 + o_vf[None, :] * K + o_k[:, None]
+        m_tile = mask_k[:, None] & mask_vf[None, :]
+        b_h = tl.load(p_tile, mask=m_tile, other=0).to(tl.float32)
+        b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, pos0, n_rec, i_h, i_hv, o_k, o_vf, mask_k, mask_vf,
+                            H, HV, K, V, IS_KDA)
+        b_out = b_h.to(p_tile.dtype.element_ty)
+        tl.store(p_tile, b_out, mask=m_tile)
+        flag_nonfinite(r_faults, r, b_out.to(tl.float32))
+
+
+@triton.jit
+def output_token(t, live, s0k, s0q, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_v, o_l,
+                 o_t, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
+                 W: tl.constexpr):
+    """Token t of the output launch (``live``: t < T): its ``u`` and output from the checkpoint's
+    projections ``s0k = S0 . (e^{G_t} k_t)``, ``s0q = S0 . (e^{G_t} q_t)`` (``[BV]``), the history's ``b_uh``
+    and the window's ``b_uw``; stores the output and (real rows) the ``u`` and raw ``v`` records; returns
+    ``b_uw`` with row t set."""
     p_row = proj + ((bos + t) * HV + i_hv) * W
-    if DOT:
-        s0k = tl.sum(tl.where(o_p[None, :] == t, b_sp, 0), 1)
-        s0q = tl.sum(tl.where(o_p[None, :] == TP + t, b_sp, 0), 1)
-    else:
-        s0k = tl.sum(b_s0 * tl.load(p_row + o_k, mask=live, other=0)[:, None], 0)
-        s0q = tl.sum(b_s0 * tl.load(p_row + K + o_k, mask=live, other=0)[:, None], 0)
     b_chk = tl.load(p_row + 2 * K + o_l, mask=live, other=0)
     b_chq = tl.load(p_row + 2 * K + L + o_l, mask=live, other=0)
     b_cwk = tl.load(p_row + 2 * K + 2 * L + o_t, mask=live, other=0)
@@ -294,6 +326,12 @@ otherwise be the launch's tail."""
 OUTPUT_TILING = (16, 1)
 """``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
 tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
+OUTPUT_PIPELINE = (None, 2)
+"""``(block_k, num_stages)`` of the output launch: the K rows of a checkpoint tile per loop step (None: all
+of K, one step) and the depth of the loop's software pipeline."""
+FOLD_BLOCK_V = 16
+"""Value columns a fused fold advances at a time (a ``[K, 16]`` float32 tile in registers, as the measured
+16-column output tile held it); wider output tiles fold in several passes."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -301,7 +339,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                  window_warps: int = WINDOW_WARPS, dot: bool | None = None) -> torch.Tensor:
+                  block_k: int | None = None, num_stages: int | None = None, window_warps: int = WINDOW_WARPS,
+                  dot: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
     (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
@@ -315,8 +354,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     output launch runs the folding requests' programs first (:func:`fold_order_kernel`, one more launch).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
-    program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``window_warps``
-    the window launch; ``dot`` projects the checkpoint tile on tensor cores (tf32x3; default for T > 1,
+    program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``block_k`` (a power
+    of two dividing K: checkpoint rows per loop step) and ``num_stages`` pipeline its checkpoint reads
+    (default :data:`OUTPUT_PIPELINE`), ``window_warps`` the window launch; ``dot`` projects the checkpoint tile on tensor cores (tf32x3; default for T > 1,
     needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
     for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
@@ -334,9 +374,15 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     BV = min(triton.next_power_of_2(vdim), bv)
+    BK = block_k or OUTPUT_PIPELINE[0] or kdim
+    if BK < 1 or BK & (BK - 1) or BK > kdim:
+        raise ValueError(f"block_k {BK} must be a power of two no larger than head_k_dim {kdim}")
+    stages = num_stages or OUTPUT_PIPELINE[1]
     dot = T > 1 if dot is None else dot
     if dot and BV < 16:
         raise ValueError(f"block_v {BV}: the tensor-core projections need at least 16 columns per program")
+    if dot and BK < 16:
+        raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step")
     L, TP = ring.history, triton.next_power_of_2(T)
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
@@ -357,7 +403,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
         T, v.stride()[1],
-        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=L, TP=TP, W=W, NP=max(16, 2 * TP), IS_KDA=is_kda,
-        FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
-        num_warps=warps, num_stages=2)
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_BLOCK_V), L=L, TP=TP, W=W, NP=max(16, 2 * TP),
+        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
+        num_warps=warps, num_stages=stages)
     return o
