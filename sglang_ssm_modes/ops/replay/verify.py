@@ -16,12 +16,12 @@ Two launches split the work by the axis it runs over:
   every history record and earlier window token — reading the history's keys once per head — and
   appends the window's key-side records (normalised and raw k, g, beta);
 * :func:`replay_output_kernel` (one program per ``BV`` value columns, as SGLang's native decode) reads
-  its checkpoint tile and its columns of the history's ``u``, solves the window's ``u`` and outputs with
+  its checkpoint columns in a pipelined loop over K and its columns of the history's ``u``, solves the window's ``u`` and outputs with
   those coefficients, and appends the value-side records (``u``, raw v). A request whose window would
   overflow is folded here, tile by tile, in the same launch — first, when the batch is large enough:
   :func:`fold_order_kernel` (a one-program launch) orders the requests so that folding ones come first.
 
-The checkpoint, by far the largest read, is read once, by programs as small as native's, without the
+The checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
 (another summation order).
 """
@@ -202,7 +202,7 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop; it continues with an empty history in the ring's other half. Per token t:
+    by the loop (``FBV = 16 * num_warps`` or ``BV``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
@@ -323,15 +323,17 @@ H200 (bench/results/replay/foldfirst_20261203) the order launch costs 2-3 µs: b
 does, at 8 and 16 it is a wash (within 3 µs either way), from 32 on fold-first is as fast or faster
 everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding programs would
 otherwise be the launch's tail."""
-OUTPUT_TILING = (16, 1)
-"""``(block_v, num_warps)`` of the output launch: 16 value columns on one warp (half SGLang's native decode
-tile), the fastest measured on the H200 at every batch from 8 to 256 (bench/results/replay/split_20261203)."""
-OUTPUT_PIPELINE = (None, 2)
-"""``(block_k, num_stages)`` of the output launch: the K rows of a checkpoint tile per loop step (None: all
-of K, one step) and the depth of the loop's software pipeline."""
-FOLD_BLOCK_V = 16
-"""Value columns a fused fold advances at a time (a ``[K, 16]`` float32 tile in registers, as the measured
-16-column output tile held it); wider output tiles fold in several passes."""
+OUTPUT_TILING = (32, 1)
+"""``(block_v, num_warps)`` of the output launch: 32 value columns on one warp (SGLang's native decode tile)."""
+OUTPUT_PIPELINE = (64, 3)
+"""``(block_k, num_stages)`` of the output launch: checkpoint rows per step of its K loop (None: all of K in
+one step) and the depth of the loop's software pipeline. With :data:`OUTPUT_TILING` the fastest of six
+tilings measured on the H200 at batch 32-256 (bench/results/replay/kloop_20261203): up to 1.12x over
+16 x 1 with the whole of K in one step."""
+FOLD_WARP_COLUMNS = 16
+"""Value columns per warp a fused fold advances at a time: a ``[K, 16]`` float32 tile per warp is what the
+registers hold beside the output path; wider output tiles fold in several passes. The fold's layout is
+then one 16-column tile per warp whatever the output tile, so its bits do not depend on the tiling."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -374,7 +376,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     BV = min(triton.next_power_of_2(vdim), bv)
-    BK = block_k or OUTPUT_PIPELINE[0] or kdim
+    BK = block_k or min(OUTPUT_PIPELINE[0] or kdim, kdim)  # the default fits any K; an explicit block_k is checked
     if BK < 1 or BK & (BK - 1) or BK > kdim:
         raise ValueError(f"block_k {BK} must be a power of two no larger than head_k_dim {kdim}")
     stages = num_stages or OUTPUT_PIPELINE[1]
@@ -403,7 +405,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
         T, v.stride()[1],
-        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_BLOCK_V), L=L, TP=TP, W=W, NP=max(16, 2 * TP),
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_WARP_COLUMNS * warps), L=L, TP=TP, W=W, NP=max(16, 2 * TP),
         IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
         num_warps=warps, num_stages=stages)
     return o
