@@ -51,7 +51,7 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
     return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
 
 
-def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("16x1", {}),), resources=None,
+def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
                upstream=None):
     """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
     the separate fold) for one case; rows.
@@ -185,8 +185,10 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
     out = []
     for value in values:
         tiling, *opts = value.split(":")
-        (bv, warps), = parse_tilings(parser, [tiling])
-        kw = dict(block_v=bv, num_warps=warps)
+        kw = {}
+        if tiling != "served":  # served: ops.replay.verify.output_tiling's choice per launch
+            (bv, warps), = parse_tilings(parser, [tiling])
+            kw = dict(block_v=bv, num_warps=warps)
         for opt in opts:
             if opt in ("fma", "dot"):
                 kw["dot"] = opt == "dot"
@@ -201,7 +203,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst")
-        if kw.get("dot") and bv < 16:
+        if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
     return out
@@ -258,15 +260,17 @@ def main(argv=None) -> int:
     p.add_argument("--histories", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
-    p.add_argument("--variants", nargs="+", default=["16x1"], metavar="BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst]",
-                   help="replay launch variants to time side by side: the output launch's tiling (block_v x "
+    p.add_argument("--variants", nargs="+", default=["served"],
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst]",
+                   help="replay launch variants to time side by side: the output launch's tiling as served "
+                        "(served: ops.replay.verify.output_tiling, by tokens per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
-                        "plotted: list the served default (ops.replay.verify.OUTPUT_TILING) first. "
-                        "E.g. 16x1 16x1:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
+                        "plotted: list the served default first. "
+                        "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")

@@ -13,7 +13,8 @@ from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import fold_order_kernel, replay_output_kernel, replay_window_kernel
+from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_TOKENS, fold_order_kernel,
+                                                replay_output_kernel, replay_window_kernel)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -263,6 +264,38 @@ def test_request_count_is_not_a_compile_time_constant():
         assert {name for name in ("N", "B", "batch", "num_requests") if name in params} <= runtime
         marked = getattr(jit, "do_not_specialize", None) or getattr(jit, "kwargs", {}).get("do_not_specialize") or []
         assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == runtime
+
+
+def _compiled_variants(jit) -> int:
+    return sum(len(cache[0]) for cache in jit.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_request_counts_1_to_511_compile_the_served_variants_once():
+    """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
+    per served choice and never per count. The output launch has three per window length — narrow tiling
+    in request order, narrow fold-first, wide fold-first for T = 1 (:data:`FOLD_FIRST_MIN_REQUESTS` 32
+    requests, :data:`WIDE_TILING_MIN_TOKENS` 64 tokens); narrow in order, wide in order, wide fold-first
+    for T = 4 — the window launch one, the order launch one for both (T and N are runtime integers).
+    A head shape no other test uses, so earlier compilations cannot hide a recompile."""
+    n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
+    kernels = (replay_window_kernel, replay_output_kernel, fold_order_kernel)
+    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_TOKENS) == (32, 64)  # the counts below follow from these
+    for d, expect in ((1, (1, 3, 1)), (4, (1, 3, 0))):
+        params, x, pool, _ = make_case("gdn", n_max, d, hk, hv, kdim, vdim, torch.float32, seed=60 + d)
+        inp = to_device(flat_inputs(x, "gdn", n_max, d), DEVICE)
+        pool = pool.to(DEVICE)
+        ring = ReplayRing.allocate(n_max, L, hk, hv, kdim, vdim, False, torch.bfloat16, DEVICE)
+        idx = torch.arange(n_max, dtype=torch.int32, device=DEVICE)
+        before = [_compiled_variants(j) for j in kernels]
+        for n in range(1, n_max + 1):
+            t = slice(0, n * d)
+            replay_verify(params.A_log.to(DEVICE), inp["a"][t], params.dt_bias.to(DEVICE), inp["q"][:, t],
+                          inp["k"][:, t], inp["v"][:, t], inp["b"][:, t], pool, idx[:n], ring, idx[:n], is_kda=False)
+            advance(ring, idx[:n], d, window=d)
+        torch.cuda.synchronize()
+        after = [_compiled_variants(j) for j in kernels]
+        assert tuple(a - b for a, b in zip(after, before)) == expect, (d, before, after)
 
 
 def test_window_larger_than_history_is_refused():

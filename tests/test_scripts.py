@@ -74,7 +74,7 @@ import bench_replay  # noqa: E402
 @pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
                                  ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
                                  ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
-                                 ["--variants", "8x1:dot"]])
+                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"]])
 def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
     with pytest.raises(SystemExit) as exc:
         bench_replay.main(["--out", "/tmp/unused", *bad])
@@ -87,6 +87,10 @@ def test_bench_replay_variants_name_the_launch_options():
         ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
         ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)), ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
         ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
+    assert bench_replay.parse_variants(p, ["served", "served:inorder", "16x1:k128:s2", "64x1:k32:s4:w2"]) == [
+        ("served", {}), ("served:inorder", dict(fold_first=False)),
+        ("16x1:k128:s2", dict(block_v=16, num_warps=1, block_k=128, num_stages=2)),
+        ("64x1:k32:s4:w2", dict(block_v=64, num_warps=1, block_k=32, num_stages=4, window_warps=2))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

@@ -323,13 +323,27 @@ H200 (bench/results/replay/foldfirst_20261203) the order launch costs 2-3 µs: b
 does, at 8 and 16 it is a wash (within 3 µs either way), from 32 on fold-first is as fast or faster
 everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding programs would
 otherwise be the launch's tail."""
-OUTPUT_TILING = (32, 1)
-"""``(block_v, num_warps)`` of the output launch: 32 value columns on one warp (SGLang's native decode tile)."""
-OUTPUT_PIPELINE = (64, 3)
-"""``(block_k, num_stages)`` of the output launch: checkpoint rows per step of its K loop (None: all of K in
-one step) and the depth of the loop's software pipeline. With :data:`OUTPUT_TILING` the fastest of six
-tilings measured on the H200 at batch 32-256 (bench/results/replay/kloop_20261203): up to 1.12x over
-16 x 1 with the whole of K in one step."""
+NARROW_TILING = (16, 1, None, 2)
+"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_TOKENS`
+tokens: 16 value columns on one warp, the whole of K in one step — more, smaller programs for a launch
+too small to fill the GPU with native-sized ones."""
+WIDE_TILING = (32, 1, 64, 3)
+"""The output launch's tiling from :data:`WIDE_TILING_MIN_TOKENS` tokens on: 32 columns on one warp
+(SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
+WIDE_TILING_MIN_TOKENS = 64
+"""Tokens per launch (requests x window) from which :data:`WIDE_TILING` serves. On the H200, one run
+side by side (bench/results/replay/kloop_20261203/run2_0b2be23), wide vs narrow at L = 16, float32:
+decode batch 128 / 256 1.07 / 1.06x faster (GDN) and 1.16 / 1.17x (KDA), D = 4 batch 32 (128 tokens)
+1.06x / 1.02x; narrow faster at 32 tokens and fewer (decode batch 32: 1.07x GDN, 1.06x KDA; D = 4
+batch 8: 1.10x / 1.13x)."""
+
+
+def output_tiling(tokens: int) -> tuple[int, int, int | None, int]:
+    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``tokens`` tokens
+    (:data:`NARROW_TILING` or :data:`WIDE_TILING`: two compiled variants per window length)."""
+    return WIDE_TILING if tokens >= WIDE_TILING_MIN_TOKENS else NARROW_TILING
+
+
 FOLD_WARP_COLUMNS = 16
 """Value columns per warp a fused fold advances at a time: a ``[K, 16]`` float32 tile per warp is what the
 registers hold beside the output path; wider output tiles fold in several passes. The fold's layout is
@@ -356,10 +370,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     output launch runs the folding requests' programs first (:func:`fold_order_kernel`, one more launch).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
-    program) and ``num_warps`` tile the output launch (default :data:`OUTPUT_TILING`), ``block_k`` (a power
-    of two dividing K: checkpoint rows per loop step) and ``num_stages`` pipeline its checkpoint reads
-    (default :data:`OUTPUT_PIPELINE`), ``window_warps`` the window launch; ``dot`` projects the checkpoint tile on tensor cores (tf32x3; default for T > 1,
-    needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
+    program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
+    per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
+    choice for the launch's tokens), ``window_warps`` tiles the window launch; ``dot`` projects the
+    checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
     for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
@@ -370,16 +384,17 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     T = t_all // n
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    bv, warps = block_v or OUTPUT_TILING[0], num_warps or OUTPUT_TILING[1]
+    served = output_tiling(t_all)
+    bv, warps = block_v or served[0], num_warps or served[1]
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"block_v {bv} must be a power of two")
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     BV = min(triton.next_power_of_2(vdim), bv)
-    BK = block_k or min(OUTPUT_PIPELINE[0] or kdim, kdim)  # the default fits any K; an explicit block_k is checked
+    BK = block_k or min(served[2] or kdim, kdim)  # the default fits any K; an explicit block_k is checked
     if BK < 1 or BK & (BK - 1) or BK > kdim:
         raise ValueError(f"block_k {BK} must be a power of two no larger than head_k_dim {kdim}")
-    stages = num_stages or OUTPUT_PIPELINE[1]
+    stages = num_stages or served[3]
     dot = T > 1 if dot is None else dot
     if dot and BV < 16:
         raise ValueError(f"block_v {BV}: the tensor-core projections need at least 16 columns per program")
