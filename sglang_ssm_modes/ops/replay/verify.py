@@ -324,24 +324,25 @@ does, at 8 and 16 it is a wash (within 3 µs either way), from 32 on fold-first 
 everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding programs would
 otherwise be the launch's tail."""
 NARROW_TILING = (16, 1, None, 2)
-"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_TOKENS`
-tokens: 16 value columns on one warp, the whole of K in one step — more, smaller programs for a launch
+"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
+requests: 16 value columns on one warp, the whole of K in one step — more, smaller programs for a launch
 too small to fill the GPU with native-sized ones."""
 WIDE_TILING = (32, 1, 64, 3)
-"""The output launch's tiling from :data:`WIDE_TILING_MIN_TOKENS` tokens on: 32 columns on one warp
+"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on: 32 columns on one warp
 (SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
-WIDE_TILING_MIN_TOKENS = 64
-"""Tokens per launch (requests x window) from which :data:`WIDE_TILING` serves. On the H200, one run
-side by side (bench/results/replay/kloop_20261203/run2_0b2be23), wide vs narrow at L = 16, float32:
-decode batch 128 / 256 1.07 / 1.06x faster (GDN) and 1.16 / 1.17x (KDA), D = 4 batch 32 (128 tokens)
-1.06x / 1.02x; narrow faster at 32 tokens and fewer (decode batch 32: 1.07x GDN, 1.06x KDA; D = 4
-batch 8: 1.10x / 1.13x)."""
+WIDE_TILING_MIN_REQUESTS = 64
+"""Requests per launch from which :data:`WIDE_TILING` serves. On the H200 (bench/results/replay/
+kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
+on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.09 /
+1.06x at 64, 1.06 / 1.06x at 128. Narrow is faster at 32 requests and fewer (decode batch 32 1.07 /
+1.06x, D = 4 batch 16 1.11 / 1.13x) except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise:
+two identical launches measured 7 % apart at batch 16)."""
 
 
-def output_tiling(tokens: int) -> tuple[int, int, int | None, int]:
-    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``tokens`` tokens
+def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
+    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests
     (:data:`NARROW_TILING` or :data:`WIDE_TILING`: two compiled variants per window length)."""
-    return WIDE_TILING if tokens >= WIDE_TILING_MIN_TOKENS else NARROW_TILING
+    return WIDE_TILING if requests >= WIDE_TILING_MIN_REQUESTS else NARROW_TILING
 
 
 FOLD_WARP_COLUMNS = 16
@@ -372,7 +373,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
     per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
-    choice for the launch's tokens), ``window_warps`` tiles the window launch; ``dot`` projects the
+    choice for the launch's requests), ``window_warps`` tiles the window launch; ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
     for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
@@ -384,7 +385,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     T = t_all // n
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    served = output_tiling(t_all)
+    served = output_tiling(n)
     bv, warps = block_v or served[0], num_warps or served[1]
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"block_v {bv} must be a power of two")
