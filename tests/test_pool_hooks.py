@@ -2,6 +2,7 @@
 SGLang's own ``handle_max_mamba_cache`` (native) and the hook (compact / replay) split the same memory —
 the saved bytes become pool slots."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVC
 
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import pool_hooks
+from sglang_ssm_modes.integration.replay_tradeoffs import replay_tradeoffs
 from sglang_ssm_modes.sizing import LinearAttnShape, request_bytes
 from test_mode_pool import (HV, KD, LAYERS, VD, _expected_fold, _fill_history, cuda_scratch_on_cpu,  # noqa: F401
                             gdn_params, kda_params, make_pool)
@@ -49,6 +51,9 @@ def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkey
         assert ("replay serves trees through compact's records" in caplog.text) == (mode == "replay" and topk > 1)
     else:
         assert "speculative verify" not in caplog.text
+    # where replay's kernels are not a win, said at startup (L = 8 here: not measured, and it says so)
+    assert ("replay (" + pool.heads.family.upper() + ", L = 8): speed against native not measured" in caplog.text) == (
+        mode == "replay")
     # the sizing model (`python -m sglang_ssm_modes memory`) charges the same bytes
     family = pool.heads.family
     shape = LinearAttnShape(family=family, num_linear_layers=len(params().layers), num_v_heads=pool.heads.num_v_heads,
@@ -250,3 +255,23 @@ def test_hicache_restored_slots_start_with_an_empty_history(mode, cuda_scratch_o
         assert torch.equal(pool.replay_rings.count, count) and (pool.replay_rings.count[:, [1, 5]] == 2).all()
     nothing = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), device_indices=None)]
     assert pool_hooks.hicache_restore_commit(lambda c, n, t: None, cache, ["node"], nothing) is None
+
+
+@pytest.mark.parametrize("family,history,state_dtype,draft,topk,level,says", [
+    ("gdn", 16, torch.float32, 1, 1, "INFO", "below 64 running requests, 1.11-1.18x from 64"),
+    ("kda", 16, torch.float32, 4, 1, "INFO", "a D = 4 speculative round 1.00-1.08x native below 16 requests"),
+    ("kda", 32, torch.float32, 1, 1, "WARNING", "slower than native at every batch measured"),
+    ("gdn", 64, torch.float32, 4, 1, "WARNING", "slower than native at every batch measured"),
+    ("gdn", 16, torch.bfloat16, 1, 1, "WARNING", "pass --mamba-ssm-dtype float32"),
+    ("gdn", 8, torch.float32, 1, 1, "INFO", "not measured for this history"),
+    ("gdn", 16, torch.float32, 4, 3, "INFO", "tree verify runs compact's kernels"),
+])
+def test_replay_says_at_startup_where_it_is_slower_than_native(family, history, state_dtype, draft, topk, level, says):
+    """The issue's rule: where replay is not a win, the server log says so (from the measured tables in
+    ``integration.replay_tradeoffs``), as a warning where it was slower everywhere measured."""
+    cfg = SSMModeConfig(mode="replay", replay_history=history, state_dtype=state_dtype, draft_tokens=draft)
+    lines = replay_tradeoffs(cfg, family, tree_verify=topk > 1)
+    assert any(logging.getLevelName(lv) == level and says in text for lv, text in lines), lines
+    assert all(lv in (logging.INFO, logging.WARNING) for lv, _ in lines)
+    assert len(lines) == 1 + (draft > 1 and state_dtype == torch.float32 and history != 8)  # + the verify line
+    assert replay_tradeoffs(SSMModeConfig(mode="compact"), family, tree_verify=False) == []

@@ -26,6 +26,7 @@ from ..ops.replay import ReplayRing
 from ..pool import LinearHeads, ModeMambaPool, init_mode_mamba_pool
 from ..pool.mode_pool import conv_window_dedup, conv_window_scratch
 from .hook_targets import unapplied_hooks
+from .replay_tradeoffs import replay_tradeoffs
 
 logger = logging.getLogger(__name__)
 GB = 1 << 30
@@ -65,6 +66,9 @@ def init_mamba_pool(original, self, **kwargs):
         logger.info("sglang-ssm-modes: speculative verify of %d draft tokens (%s): %s kernels%s; plain decode: %s",
                     cfg.draft_tokens, shape, pool.verify_path, routed,
                     "replay kernels" if pool.decode_path == "replay" else "SGLang's decode kernel")
+    if cfg.mode == "replay":  # where replay's kernels are not a win, measured
+        for level, line in replay_tradeoffs(cfg, pool.heads.family, pool.tree_verify):
+            logger.log(level, "sglang-ssm-modes: %s", line)
 
 
 def mode_bytes_per_request(cfg: SSMModeConfig, cache_params, eagle_topk: int | None) -> tuple[int, int]:
