@@ -266,9 +266,8 @@ class ModeMambaPool(MambaPool):
         received a canonical state from elsewhere."""
         if self.replay_rings is not None:
             idx = _as_index(indices, self.device).long()
-            self.replay_rings.count[:, idx] = 0
-            self.replay_rings.phase[:, idx] = 0
-            self.replay_rings.faults[:, idx] = 0
+            for word in self.replay_rings.cleared_words():  # [layers, slots]: one indexed write each
+                word[:, idx] = 0
 
 
 def _as_index(indices, device) -> torch.Tensor:

@@ -83,6 +83,19 @@ class ReplayRing:
         """Every tensor by name (for full-state comparisons and memory accounting)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def cleared_words(self) -> tuple[torch.Tensor, ...]:
+        """The per-slot words an emptied history resets to 0: cursor (``count``, ``phase``) and ``faults``
+        (they belong to the history; ``folds`` is cumulative and stays). Slot axis last."""
+        return self.count, self.phase, self.faults
+
+
+@triton.jit
+def window_overflows(count, window, L: tl.constexpr):
+    """Whether a window of ``window`` tokens after ``count`` committed records overflows a history of L
+    (``count + window > L``): the fold decision the window, output and order launches and the cursor update
+    must all take alike (:func:`fold_needed` is its host-side form)."""
+    return count + window > L
+
 
 @triton.jit(do_not_specialize=["N", "accepted_all", "window"])
 def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_all, N, window, L: tl.constexpr,
@@ -99,7 +112,7 @@ def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_
     slot = tl.maximum(r, 0)
     c = tl.load(count + slot, mask=ok, other=0)
     ph = tl.load(phase + slot, mask=ok, other=0)
-    folded = (window > 0) & (c + window > L)
+    folded = (window > 0) & window_overflows(c, window, L)
     if PER_ROW:
         n = tl.load(accepted + offs, mask=m, other=0)
     else:
@@ -143,7 +156,8 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
 
 def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> torch.Tensor:
     """``[N]`` bool: the request's history must be folded before a window of ``window`` tokens
-    (``count + window > L``). Padding rows (negative slot) never fold."""
+    (``count + window > L``, as :func:`window_overflows` in the kernels). Padding rows (negative slot)
+    never fold."""
     slots = record_indices.clamp_min(0).long()
     return (record_indices >= 0) & (ring.count[slots] + window > ring.history)
 
@@ -168,6 +182,5 @@ def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torc
     """Empty the histories of the selected slots (a slot that just received a materialised state): its
     faults go with them."""
     hit = _slot_mask(ring, record_indices, selected)
-    ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
-    ring.phase.copy_(torch.where(hit, torch.zeros_like(ring.phase), ring.phase))
-    ring.faults.copy_(torch.where(hit, torch.zeros_like(ring.faults), ring.faults))
+    for word in ring.cleared_words():
+        word.copy_(torch.where(hit, torch.zeros_like(word), word))

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_records, gate_vector, l2normalize, store_key_record
-from .ring import ReplayRing, flag_nonfinite
+from .ring import ReplayRing, flag_nonfinite, window_overflows
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
     c = tl.where(valid, tl.load(r_count + r_safe), 0)
     phase = tl.load(r_phase + r_safe)
     if FUSED_FOLD:
-        fold = valid & (c + T > L)
+        fold = valid & window_overflows(c, T, L)
     else:
         fold = valid & False
     c = tl.where(fold, 0, c)
@@ -177,7 +177,7 @@ def fold_order_kernel(h0_indices, rec_indices, r_count, order, N, T, L: tl.const
         r = tl.load(rec_indices + offs, mask=m, other=-1)
         valid = m & (idx >= 0) & (r >= 0)
         c = tl.load(r_count + tl.maximum(r, 0).to(tl.int64), mask=valid, other=0)
-        f = (valid & (c + T > L)).to(tl.int32)
+        f = (valid & window_overflows(c, T, L)).to(tl.int32)
         rest = m.to(tl.int32) - f
         tl.store(order + folds_before + tl.cumsum(f, 0) - f, offs, mask=f > 0)
         tl.store(order + N - 1 - (rest_before + tl.cumsum(rest, 0) - rest), offs, mask=rest > 0)
