@@ -5,8 +5,8 @@ sessions (the GPU bench reports the same figures from the loaded kernels: ``benc
 ``verify kernel`` column; Triton versions differ between machines, so compare variants within one run,
 not across machines).
 
-    python scripts/kernel_registers.py [--tilings 16x1 32x1] [--histories 16 64] [--families gdn kda]
-        [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
+    python scripts/kernel_registers.py [--tilings narrow wide 64x1:k32:s4] [--histories 16 64]
+        [--families gdn kda] [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
 
 Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
 window kernel and of the output kernel).
@@ -27,7 +27,7 @@ from bench_common import FAMILIES, K, V, parse_tilings
 STATE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int) -> tuple[int, int]:
+def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int, num_stages: int = 2) -> tuple[int, int]:
     """``(registers per thread, spill-store bytes)`` of one Triton kernel compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,7 +38,7 @@ def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int) -> tu
     signature = {n: "*" + pointers[n] if n in pointers else "constexpr" if n in consts else
                  "fp32" if n in floats else "i32" for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=2))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
@@ -53,16 +53,17 @@ def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int) -> tu
     return int(regs.group(1)), int(spills.group(1)) if spills else 0
 
 
-def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, block_v: int,
-                            num_warps: int, draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
+def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, tiling: tuple,
+                            draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
-    (its default warps) and the output kernel (``block_v`` columns on ``num_warps`` warps; the S0
-    projections on tensor cores for a window of more than one token, as served, where ``block_v >= 16``;
-    in fold-first order with a fused fold, as served from batch 32 on)."""
+    (its default warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
+    (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
+    as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import WINDOW_WARPS, replay_output_kernel, replay_window_kernel
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, WINDOW_WARPS, replay_output_kernel,
+                                                    replay_window_kernel)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -73,34 +74,62 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     window = _ptxas_resources(
         replay_window_kernel, dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
+    block_v, num_warps, block_k, num_stages = tiling
+    bv = min(block_v, V)
     output = _ptxas_resources(
         replay_output_kernel, dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32"),
-        dict(shared, V=V, BV=min(block_v, V), NP=max(16, 2 * tp), DOT=draft_tokens > 1 and block_v >= 16,
-             FOLD_FIRST=fused_fold), num_warps)
+        dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
+             NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold), num_warps, num_stages)
     return {"window": window, "output": output}
+
+
+def parse_output_tilings(parser, values: list[str]) -> list[tuple[str, tuple]]:
+    """``--tilings`` values as ``(name, (block_v, num_warps, block_k, num_stages))``; a bad value is a
+    ``parser.error`` naming the rule."""
+    from sglang_ssm_modes.ops.replay.verify import NARROW_TILING, WIDE_TILING
+
+    out = []
+    for value in values:
+        if value in ("narrow", "wide"):
+            out.append((value, NARROW_TILING if value == "narrow" else WIDE_TILING))
+            continue
+        tiling, *opts = value.split(":")
+        (bv, warps), = parse_tilings(parser, [tiling])
+        block_k, stages = None, 2
+        for opt in opts:
+            if opt[:1] == "k" and opt[1:] in ("16", "32", "64", "128"):
+                block_k = int(opt[1:])
+            elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
+                stages = int(opt[1:])
+            else:
+                parser.error(f"--tilings {value}: options are :kN (16, 32, 64, 128) and :sN (1-4)")
+        out.append((value, (bv, warps, block_k, stages)))
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tilings", nargs="+", default=["16x1", "32x1"], metavar="BVxWARPS",
-                   help="output-kernel tilings: V columns x warps per program")
+    p.add_argument("--tilings", nargs="+", default=["narrow", "wide"], metavar="narrow|wide|BVxWARPS[:kN][:sN]",
+                   help="output-kernel tilings: the served ones (ops.replay.verify.NARROW_TILING, WIDE_TILING) or "
+                        "V columns x warps per program, K rows per loop step (:k64; default all of K) and "
+                        "pipeline depth (:s3; default 2)")
     p.add_argument("--histories", type=int, nargs="+", default=[16])
     p.add_argument("--families", nargs="+", default=["gdn"], choices=list(FAMILIES))
     p.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=list(STATE))
     p.add_argument("--fold", nargs="+", default=["fused"], choices=["fused", "separate"])
     p.add_argument("--draft-tokens", type=int, default=4, help="window length D (1 = plain decode)")
     args = p.parse_args(argv)
-    tilings = parse_tilings(p, args.tilings)
+    tilings = parse_output_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
     print("| family | state | L | fold | output tiling | window kernel regs / spills | output kernel regs / spills |\n"
           "|---|---|---|---|---|---|---|")
-    for fam, dt, L, fold, (bv, w) in itertools.product(args.families, args.state_dtypes, args.histories, args.fold,
-                                                       tilings):
-        res = verify_kernel_resources(fam, dt, L, fold == "fused", bv, w, args.draft_tokens)
-        print(f"| {fam} | {dt} | {L} | {fold} | {bv}x{w} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
+    for fam, dt, L, fold, (name, tiling) in itertools.product(args.families, args.state_dtypes, args.histories,
+                                                              args.fold, tilings):
+        res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens)
+        print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
               flush=True)
     return 0
 

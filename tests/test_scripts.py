@@ -154,16 +154,20 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
     sm_90a and the wheel's ptxas reports their allocation (what the GPU bench reads from the loaded
     kernels). Run outside the interpreter these tests use (a compiled kernel, not an interpreted one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "32x1", "--families", "kda", env=env)
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "wide", "16x1:k128:s2", "--families", "kda",
+                env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = proc.stdout.strip().splitlines()[-1].split("|")
-    assert [c.strip() for c in row[1:6]] == ["kda", "float32", "16", "fused", "32x1"]
-    for cell in row[6:8]:
-        regs, spills = (int(x) for x in cell.split("/"))
-        assert 16 <= regs <= 255 and spills >= 0
+    rows = [line.split("|") for line in proc.stdout.strip().splitlines()[-2:]]
+    assert [[c.strip() for c in row[1:6]] for row in rows] == [["kda", "float32", "16", "fused", "wide"],
+                                                                ["kda", "float32", "16", "fused", "16x1:k128:s2"]]
+    for row in rows:
+        for cell in row[6:8]:
+            regs, spills = (int(x) for x in cell.split("/"))
+            assert 16 <= regs <= 255 and spills >= 0
 
 
-@pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--histories", "12"],
+@pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
+                                 ["--tilings", "medium"], ["--histories", "12"],
                                  ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"]])
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
