@@ -32,11 +32,18 @@ UPSTREAM := .gpu/upstream-sglang-0.5.23/fused_recurrent_linear_replayssm.py
 $(UPSTREAM): | venv
 	$(BIN)/python scripts/upstream_replayssm.py extract --out $(dir $(UPSTREAM))
 
-test: venv $(UPSTREAM)
+# flash-linear-attention (fla-core 0.6.0 + einops, pure Python) for the replay benchmark's fla rows:
+# tests/test_fla_kernels.py checks the benchmark's calls to it against the reference.
+FLA := .gpu/fla-core-0.6.0/fla/__init__.py
+
+$(FLA): | venv
+	$(BIN)/python scripts/fla_kernels.py extract --out .gpu/fla-core-0.6.0
+
+test: venv $(UPSTREAM) $(FLA)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Skip tests marked slow (interpreter-heavy); CI runs everything.
-test-fast: venv $(UPSTREAM)
+test-fast: venv $(UPSTREAM) $(FLA)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:

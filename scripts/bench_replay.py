@@ -10,6 +10,9 @@
   sglang 0.5.23 wheel (``scripts/upstream_replayssm.py``; ``--upstream DIR``, by default the folder its
   ``extract`` fills), on the same pool with its own ring of L - 1 records and cursors spread the same
   way. Without the extracted kernel there are no such rows, and the report says so.
+* ``fla`` rows (decode only): flash-linear-attention's fused recurrent kernels (fla-core 0.6.0,
+  ``scripts/fla_kernels.py``; ``--fla DIR``), V-first states, gates in the kernel: a second
+  read-and-write decode beside SGLang's, on each round's contiguous block of pool slots.
 
 Cursors start spread over the ring (request i has ``i mod L`` records), so folds are amortised as in
 serving; every timed step includes the fold launch and its share of folding work. Timing: CUDA-graph
@@ -32,16 +35,20 @@ import sys
 
 import torch
 
+import fla_kernels
 import upstream_replayssm
 from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, compiled_resources, copy_bandwidth_gbps, kernel_times,
                           make_inputs, parse_tilings, plot_speedups, time_graph)
 from sglang_ssm_modes.sizing import SLOT_WORDS_BYTES
 
 NATIVE_IMPLS = ("sglang-0.5.14-native", "ours-native")
+STATELESS_IMPLS = (*NATIVE_IMPLS, "fla")
+"""Implementations without a history: one row per (family, dtype, D, batch), whatever the case's L."""
 
 KERNELS = {"replay_window": "window", "replay_output": "output", "advance": "advance", "replay_fold": "fold",
            "packed_decode": "decode", "fused_sigmoid_gating": "verify", "verify_window": "verify",
-           "scatter": "scatter", "replayssm": "upstream"}
+           "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
+           "fused_recurrent_kda_fwd": "fla"}
 
 
 def record_bytes(family: str, act_bytes: int = 2) -> int:
@@ -52,7 +59,7 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
 
 
 def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
-               upstream=None):
+               upstream=None, fla=None):
     """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
     the separate fold) for one case; rows.
     ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
@@ -131,6 +138,15 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                             batch * (state_bytes * (1 + 1 / history) + (history / 2) * up_rec),
                             "fused_recurrent_linear_replayssm_decode (sglang 0.5.23) + write_pos advance",
                             state_bytes + history * up_rec + 4)
+        if fla is not None:  # fla keeps no state indices: each round's states are one contiguous block
+            shaped = {name: x[name].reshape(batch, 1, *x[name].shape[2:]) for name in ("q", "k", "v")}
+
+            def fla_step(r):
+                fla_kernels.decode(fla, x["A_log"], a2, x["dt_bias"], shaped["q"], shaped["k"], shaped["v"], b2,
+                                   pool[r * batch:(r + 1) * batch], is_kda=is_kda)
+
+            fla_row = ("fla", "fla", fla_step, 2 * batch * state_bytes,
+                       "fla-core 0.6.0 fused_recurrent (state_v_first, next states in a new tensor)", state_bytes)
     else:
         inter = torch.zeros(batch, d, hv, V, K, dtype=sd, device="cuda")
         inter_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -162,7 +178,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
              replay_per_req),
-            *((upstream_row,) if d == 1 and upstream is not None else ())):
+            *((upstream_row,) if d == 1 and upstream is not None else ()),
+            *((fla_row,) if d == 1 and fla is not None else ())):
         key = (family, dtype_name, history, d, round_beta, fold)
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel},
@@ -170,7 +187,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         us = time_graph(fn_, rounds)
         parts = kernel_times(fn_, rounds, KERNELS)
         rows.append(dict(op=op, family=family, impl=impl_, state_dtype=dtype_name, batch=batch, draft_tokens=d,
-                         history=history if impl_ not in NATIVE_IMPLS else None, fold=fold, median_us=round(us, 2),
+                         history=history if impl_ not in STATELESS_IMPLS else None, fold=fold, median_us=round(us, 2),
                          bytes_min=int(nbytes_), frac_copy_bw=round(nbytes_ / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path=path_,
                          verify_kernel_resources=resources.get(key), kernel_us=parts))
@@ -226,16 +243,17 @@ def write_report(result, out_dir):
              "D = 1 is plain decode (native: SGLang's packed decode kernel).", "",
              "Replay's fold runs inside the verify launch (`fused`, as served) or as its own kernel first "
              "(`separate`); `upstream` rows are upstream SGLang's ReplaySSM decode "
-             f"({result.get('upstream', 'not run')}).", "",
+             f"({result.get('upstream', 'not run')}); `fla` rows flash-linear-attention's fused recurrent decode "
+             f"({result.get('fla', 'not run')}: reads and writes the state, like native).", "",
              "Kernels: device µs per step of each launch (CUDA profiler, eager), beside the CUDA-graph median.", "",
              *([result["note"], ""] if result.get("note") else []),
              "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
              "| replay kernels µs | verify kernel |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS),
-                    key=lambda r: (*key(r), r["history"], r["fold"])):
+                    key=lambda r: (*key(r), r["history"] or 0, r["fold"])):
         n = nat[key(r)]
-        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history']} | {r['batch']} | "
+        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history'] or '–'} | {r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
                      f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | "
                      + " + ".join(f"{k} {u:.1f}" for k, u in (r.get("kernel_us") or {}).items())
@@ -244,8 +262,8 @@ def write_report(result, out_dir):
         f.write("\n".join(lines) + "\n")
     points = {}
     for r in rows:
-        if r["fold"] in (rows_fold_served(rows), "upstream"):
-            label = (("upstream " if r["fold"] == "upstream" else "")
+        if r["fold"] in (rows_fold_served(rows), "upstream", "fla"):
+            label = ((r["fold"] + " " if r["fold"] in ("upstream", "fla") else "")
                      + f"{r['state_dtype']} D={r['draft_tokens']} L={r['history']}")
             points.setdefault(r["family"], {}).setdefault(label, []).append(
                 (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
@@ -274,6 +292,9 @@ def main(argv=None) -> int:
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")
+    p.add_argument("--fla", type=str, default=str(fla_kernels.DEFAULT_DIR),
+                   help="folder of the extracted fla-core 0.6.0 (scripts/fla_kernels.py extract); fla decode rows "
+                        "are added when it is there")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
@@ -290,17 +311,22 @@ def main(argv=None) -> int:
     if os.path.isfile(os.path.join(args.upstream, upstream_replayssm.MODULE)):
         upstream = upstream_replayssm.load(args.upstream)
         source = open(os.path.join(args.upstream, "SOURCE")).read().split(" sha256")[0]
+    fla, fla_source = None, f"not extracted at {args.fla}"
+    if os.path.isfile(os.path.join(args.fla, "fla", "__init__.py")):
+        fla = fla_kernels.load(args.fla)
+        fla_source = ", ".join(line.split(" sha256")[0] for line in open(os.path.join(args.fla, "SOURCE")))
     bw = copy_bandwidth_gbps()
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=args.commit,
-                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, upstream=source, rows=[])
+                  copy_bw_gbps=round(bw, 1), torch=torch.__version__, upstream=source, fla=fla_source,
+                  rows=[])
     cases = [(f, dt, b, d, L) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens
              for L in args.histories for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
     resources = {}
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw, variants, resources, upstream)
+        new = bench_case(*case, bw, variants, resources, upstream, fla)
         # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
-        result["rows"] += [r for r in new if r["impl"] not in NATIVE_IMPLS or not any(
+        result["rows"] += [r for r in new if r["impl"] not in STATELESS_IMPLS or not any(
             o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
             (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"]) for o in result["rows"])]
         with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:

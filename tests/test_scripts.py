@@ -108,16 +108,19 @@ def test_bench_replay_report_from_rows(tmp_path):
             dict(base, op="decode", impl="ours-replay", history=16, fold="separate", median_us=175.0, frac_copy_bw=0.4),
             dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0, frac_copy_bw=0.7),
             dict(base, op="decode", impl="upstream-replayssm", history=16, fold="upstream", median_us=120.0,
-                 frac_copy_bw=0.6, kernel_us={"upstream": 110.0})]
+                 frac_copy_bw=0.6, kernel_us={"upstream": 110.0}),
+            dict(base, op="decode", impl="fla", history=None, fold="fla", median_us=150.0, frac_copy_bw=0.85,
+                 kernel_us={"fla": 145.0})]
     bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, upstream="sglang-0.5.23-x.whl",
-                                   rows=rows), str(tmp_path))
+                                   fla="fla_core-0.6.0-y.whl", rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
     assert ("| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 | window 20.0 + output 78.5 "
             "| 168 regs, 0 spills |") in table
     assert "| kda | float32 | 1 | 16 | 128 | separate | 140.0 | 175.0 | 0.80× |" in table
     assert "| kda | float32 | 1 | 32 | 128 | fused 32x4 | 140.0 | 112.0 | 1.25× |" in table
     assert "| kda | float32 | 1 | 16 | 128 | upstream | 140.0 | 120.0 | 1.17× | 0.90 | 0.60 | upstream 110.0 |" in table
-    assert "(sglang-0.5.23-x.whl)" in table
+    assert "| kda | float32 | 1 | – | 128 | fla | 140.0 | 150.0 | 0.93× | 0.90 | 0.85 | fla 145.0 |" in table
+    assert "(sglang-0.5.23-x.whl)" in table and "(fla_core-0.6.0-y.whl:" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
 
 
