@@ -253,7 +253,8 @@ def write_report(result, out_dir):
     for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS),
                     key=lambda r: (*key(r), r["history"] or 0, r["fold"])):
         n = nat[key(r)]
-        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history'] or '–'} | {r['batch']} | "
+        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history'] or '–'} | "
+                     f"{r['batch']} | "
                      f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
                      f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | "
                      + " + ".join(f"{k} {u:.1f}" for k, u in (r.get("kernel_us") or {}).items())
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["served"],
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
-                        "(served: ops.replay.verify.output_tiling, by tokens per launch) or fixed (block_v x "
+                        "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("extract", help="unpack fla and einops from their wheels into --out")
-    ex.add_argument("--wheels", type=Path, help="a folder with fla_core-0.6.0 and einops wheels (default: pip download)")
+    ex.add_argument("--wheels", type=Path,
+                    help="a folder with the fla_core-0.6.0 and einops wheels (default: pip download)")
     ex.add_argument("--out", type=Path, default=DEFAULT_DIR)
     args = p.parse_args(argv)
     if args.wheels is not None and not args.wheels.is_dir():

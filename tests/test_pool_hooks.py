@@ -260,8 +260,11 @@ def test_hicache_restored_slots_start_with_an_empty_history(mode, cuda_scratch_o
 @pytest.mark.parametrize("family,history,state_dtype,draft,topk,level,says", [
     ("gdn", 16, torch.float32, 1, 1, "INFO", "below 64 running requests, 1.11-1.18x from 64"),
     ("kda", 16, torch.float32, 4, 1, "INFO", "a D = 4 speculative round 1.00-1.08x native below 16 requests"),
-    ("kda", 32, torch.float32, 1, 1, "WARNING", "slower than native at every batch measured"),
-    ("gdn", 64, torch.float32, 4, 1, "WARNING", "slower than native at every batch measured"),
+    ("kda", 32, torch.float32, 1, 1, "WARNING", "0.83x at 128-256 (bench/results/replay/kloop_20261203): slower"),
+    ("gdn", 64, torch.float32, 4, 1, "WARNING", "plain decode 0.39-0.88x"),
+    ("gdn", 64, torch.float32, 4, 1, "INFO", "1.06-1.18x from 32"),
+    ("kda", 64, torch.float32, 4, 1, "WARNING", "round 0.75-0.95x native at 1-256 requests"),
+    ("kda", 16, torch.float16, 4, 1, "WARNING", "with a float16 state"),
     ("gdn", 16, torch.bfloat16, 1, 1, "WARNING", "pass --mamba-ssm-dtype float32"),
     ("gdn", 8, torch.float32, 1, 1, "INFO", "not measured for this history"),
     ("gdn", 16, torch.float32, 4, 3, "INFO", "tree verify runs compact's kernels"),
@@ -269,9 +272,9 @@ def test_hicache_restored_slots_start_with_an_empty_history(mode, cuda_scratch_o
 def test_replay_says_at_startup_where_it_is_slower_than_native(family, history, state_dtype, draft, topk, level, says):
     """The issue's rule: where replay is not a win, the server log says so (from the measured tables in
     ``integration.replay_tradeoffs``), as a warning where it was slower everywhere measured."""
-    cfg = SSMModeConfig(mode="replay", replay_history=history, state_dtype=state_dtype, draft_tokens=draft)
-    lines = replay_tradeoffs(cfg, family, tree_verify=topk > 1)
+    cfg = SSMModeConfig(mode="replay", replay_history=history, draft_tokens=draft)  # --mamba-ssm-dtype unset:
+    lines = replay_tradeoffs(cfg, family, state_dtype, tree_verify=topk > 1)  # the pool's dtype is what counts
     assert any(logging.getLevelName(lv) == level and says in text for lv, text in lines), lines
     assert all(lv in (logging.INFO, logging.WARNING) for lv, _ in lines)
     assert len(lines) == 1 + (draft > 1 and state_dtype == torch.float32 and history != 8)  # + the verify line
-    assert replay_tradeoffs(SSMModeConfig(mode="compact"), family, tree_verify=False) == []
+    assert replay_tradeoffs(SSMModeConfig(mode="compact"), family, torch.float32, tree_verify=False) == []

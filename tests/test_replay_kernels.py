@@ -13,8 +13,8 @@ from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, fold_order_kernel,
-                                                replay_output_kernel, replay_window_kernel)
+from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING, WIDE_TILING_MIN_REQUESTS,
+                                                fold_order_kernel, replay_output_kernel, replay_window_kernel)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -154,14 +154,15 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     assert folds >= 2  # requests folded at different rounds
 
 
+@pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
-def test_launch_tiling_changes_no_result(family, hk, hv):
+def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` (what the
-    benchmark sweeps) tile the two launches; checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for
-    every variant. Outputs and ``u`` agree to float32 rounding: their reductions over K follow the launch
-    layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never a fold (folds replay
-    the raw records)."""
-    n, d, L, kdim, vdim = 3, 2, 4, 16, 32
+    benchmark sweeps) tile the two launches; checkpoints (a fused fold included) and every ring record but
+    ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
+    over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
+    a fold (folds replay the raw records)."""
+    n, d, L = 3, 2, 4
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     results = []
@@ -169,7 +170,8 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
                     dict(block_v=8, num_warps=1, dot=False),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False),
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False),  # 2 fold passes, 2 K steps
-                    dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True)):
+                    dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True),
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3)):  # as the served wide tiling
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
         ring.count.fill_(L - 1)  # every request folds inside the launch
         gen = torch.Generator().manual_seed(51)
@@ -196,7 +198,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv):
     with pytest.raises(ValueError, match="at least 16 columns"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=8, dot=True)
-    for bad in (12, 32):  # not a power of two; more rows than K has
+    for bad in (12, 2 * kdim):  # not a power of two; more rows than K has
         with pytest.raises(ValueError, match="block_k"):
             replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                           state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=bad)
@@ -312,12 +314,16 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-@pytest.mark.parametrize("L,d", [(16, 1), (16, 4), (64, 4)])
-def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
+@pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (64, 4, "served"), (16, 1, "wide"),
+                                        (16, 4, "wide")])
+def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
-    within 1e-5 (float32) or bf16 rounding (bfloat16) of it."""
+    within 1e-5 (float32) or bf16 rounding (bfloat16) of it. ``wide``: the tiling served from 64 requests
+    (two K steps, two fold passes, 3 stages) on these 9."""
     n, kdim, vdim = 9, 128, 128
+    tiling_options = {} if tiling == "served" else dict(zip(("block_v", "num_warps", "block_k", "num_stages"),
+                                                            WIDE_TILING))
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)
     gen = torch.Generator().manual_seed(47)
     pool = pool.to(DEVICE)
@@ -327,7 +333,7 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d):
     truth = pool[state_idx.clamp_min(0)].double().cpu()
     for _ in range(3 * L // d):
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **tiling_options)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)

@@ -75,10 +75,11 @@ import bench_replay  # noqa: E402
                                  ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
                                  ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
                                  ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"]])
-def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad):
+def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
+    monkeypatch.setattr(bench_replay.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as exc:
         bench_replay.main(["--out", "/tmp/unused", *bad])
-    assert exc.value.code == 2
+    assert exc.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
 
 
 def test_bench_replay_variants_name_the_launch_options():
@@ -138,10 +139,11 @@ import replay_drift  # noqa: E402
 
 
 @pytest.mark.parametrize("bad", [["--tokens", "0"], ["--history", "12"], ["--families", "mamba"]])
-def test_replay_drift_validates_arguments_before_looking_for_a_gpu(bad):
+def test_replay_drift_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
+    monkeypatch.setattr(replay_drift.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as e:
         replay_drift.main(["--out", "/tmp/unused", *bad])
-    assert e.value.code == 2
+    assert e.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
 
 
 def test_replay_drift_report(tmp_path):

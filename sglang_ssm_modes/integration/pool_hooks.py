@@ -67,7 +67,7 @@ def init_mamba_pool(original, self, **kwargs):
                     cfg.draft_tokens, shape, pool.verify_path, routed,
                     "replay kernels" if pool.decode_path == "replay" else "SGLang's decode kernel")
     if cfg.mode == "replay":  # where replay's kernels are not a win, measured
-        for level, line in replay_tradeoffs(cfg, pool.heads.family, pool.tree_verify):
+        for level, line in replay_tradeoffs(cfg, pool.heads.family, pool.mamba_cache.temporal.dtype, pool.tree_verify):
             logger.log(level, "sglang-ssm-modes: %s", line)
 
 

@@ -16,60 +16,66 @@ import torch
 from ..config import SSMModeConfig, dtype_name
 
 SOURCE = "bench/results/replay/kloop_20261203"
-OLD_SOURCE = "bench/results/replay_h200.md"
+L64_SOURCE = "bench/results/replay/foldfirst_20261203, before the K loop"
 
 DECODE = {
     ("gdn", 16): ("plain decode 0.50-0.87x native below 64 running requests, 1.11-1.18x from 64 to 256", False),
     ("kda", 16): ("plain decode 0.50-0.83x native below 64 running requests, 1.00-1.04x from 64 to 256", False),
-    ("gdn", 32): ("plain decode 0.54x native at 32 running requests, 1.09-1.10x at 128-256", False),
-    ("kda", 32): ("plain decode 0.57x native at 32 running requests, 0.83x at 128-256", True),
-    ("gdn", 64): (f"plain decode 0.43-0.70x native ({OLD_SOURCE}, before the K loop)", True),
-    ("kda", 64): (f"plain decode 0.37-0.51x native ({OLD_SOURCE}, before the K loop)", True),
+    ("gdn", 32): ("plain decode 0.74x native at 32 running requests, 1.09-1.10x at 128-256", False),
+    ("kda", 32): ("plain decode 0.70x native at 32 running requests, 0.83x at 128-256", True),
+    ("gdn", 64): (f"plain decode 0.39-0.88x native at 1-256 running requests ({L64_SOURCE})", True),
+    ("kda", 64): (f"plain decode 0.36-0.60x native at 1-256 running requests ({L64_SOURCE})", True),
 }
 """Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
-native at every batch measured (1-256 requests). Below 64 requests a replay step is three small launches
-(window, output, cursor) against SGLang's one: launch-bound, not byte-bound. At L = 64 the window launch
-reads up to 64 history keys per head."""
+native at every batch measured. Below 64 requests a replay step is three small launches (window, output,
+cursor) against SGLang's one: launch-bound, not byte-bound. At L = 64 the window launch reads up to 64
+history keys per head."""
 
 VERIFY = {
-    ("gdn", 16): "a D = 4 speculative round 0.75-1.01x native below 16 requests, 1.25-1.84x from 16 to 256",
-    ("kda", 16): "a D = 4 speculative round 1.00-1.08x native below 16 requests, 1.45-1.73x from 16 to 256",
-    ("gdn", 32): "a D = 4 speculative round 1.25-1.70x native at 32-256 requests",
-    ("kda", 32): "a D = 4 speculative round 1.22-1.54x native at 32-256 requests",
-    ("gdn", 64): f"a D = 4 speculative round 0.71-1.12x native ({OLD_SOURCE}, before the K loop)",
+    ("gdn", 16): ("a D = 4 speculative round 0.75-1.01x native below 16 requests, 1.25-1.84x from 16 to 256", False),
+    ("kda", 16): ("a D = 4 speculative round 1.00-1.08x native below 16 requests, 1.45-1.73x from 16 to 256", False),
+    ("gdn", 32): ("a D = 4 speculative round 1.12-1.70x native at 32-256 requests", False),
+    ("kda", 32): ("a D = 4 speculative round 1.17-1.54x native at 32-256 requests", False),
+    ("gdn", 64): (f"a D = 4 speculative round 0.69-0.98x native below 32 requests, 1.06-1.18x from 32 "
+                  f"({L64_SOURCE})", False),
+    ("kda", 64): (f"a D = 4 speculative round 0.75-0.95x native at 1-256 requests ({L64_SOURCE})", True),
 }
-"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``."""
+"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE`."""
 
 LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at every batch measured "
-                 f"(GDN, L = 16: plain decode 0.35-0.64x, a D = 4 round 0.69-0.82x; {OLD_SOURCE}): native's "
-                 "{dtype} state moves half the bytes of a float32 one, replay's history reads do not shrink. "
-                 "What replay gives there is a checkpoint rounded once per fold (bench/results/replay/"
-                 "drift_20261203: a third to a half of native's drift over 10 000 tokens). For speed pass --mamba-ssm-dtype "
-                 "float32; for memory, --ssm-state-mode compact")
+                 "(GDN with a bfloat16 state, L = 16: plain decode 0.35-0.64x, a D = 4 round 0.69-0.82x; "
+                 "bench/results/replay_h200.md; KDA and float16 not measured): native's 2-byte state moves half "
+                 "the bytes of a float32 one, replay's history reads do not shrink. What replay gives there is a "
+                 "checkpoint rounded once per fold (bench/results/replay/drift_20261203: a third to a half of "
+                 "native's drift over 10 000 tokens). For speed pass --mamba-ssm-dtype float32; for memory, "
+                 "--ssm-state-mode compact")
 
 
-def replay_tradeoffs(cfg: SSMModeConfig, family: str, tree_verify: bool) -> list[tuple[int, str]]:
+def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
+                     tree_verify: bool) -> list[tuple[int, str]]:
     """``(logging level, sentence)`` pairs on replay's speed against native for a replay pool of this
-    configuration and model family (``"gdn"`` / ``"kda"``): WARNING where replay's kernels were measured
-    slower than native's everywhere, INFO otherwise. Empty for other modes."""
+    configuration, model family (``"gdn"`` / ``"kda"``) and the state dtype the pool holds (``--mamba-ssm-dtype``
+    or the model's own): WARNING where replay's kernels were measured slower than native's at every batch,
+    INFO otherwise. Empty for other modes."""
     if cfg.mode != "replay":
         return []
     where = f"{family.upper()}, L = {cfg.replay_history}"
-    if cfg.state_dtype != torch.float32:
-        return [(logging.WARNING, "replay " + LOW_PRECISION.format(dtype=dtype_name(cfg.state_dtype)))]
+    if state_dtype != torch.float32:
+        return [(logging.WARNING, "replay " + LOW_PRECISION.format(dtype=dtype_name(state_dtype)))]
     key = (family, cfg.replay_history)
     if key not in DECODE:
         return [(logging.INFO, f"replay ({where}): speed against native not measured for this history "
-                               f"(measured: L = 16, 32, 64 in {SOURCE} and {OLD_SOURCE})")]
-    decode, slower_everywhere = DECODE[key]
-    if slower_everywhere:
-        decode += f": slower than native at every batch measured (L = 16 is the fastest history; {SOURCE})"
-    out = [(logging.WARNING if slower_everywhere else logging.INFO,
-            f"replay kernels against native ({where}, float32 state, H200): {decode}")]
-    if cfg.draft_tokens > 1:
-        if tree_verify:
-            out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
-        elif key in VERIFY:
-            out.append((logging.INFO, f"replay kernels against native ({where}): {VERIFY[key]} (measured at "
-                                      f"D = 4; {SOURCE})"))
+                               f"(measured: L = 16, 32 in {SOURCE}; L = 64 in {L64_SOURCE})")]
+    out = []
+    chain_verify = cfg.draft_tokens > 1 and not tree_verify
+    for (text, slower_everywhere), applies in ((DECODE[key], True), (VERIFY.get(key, ("", False)), chain_verify)):
+        if applies and text:
+            if "bench/results" not in text:
+                text += f" ({SOURCE})"
+            if slower_everywhere:
+                text += ": slower than native at every batch measured (L = 16 is the fastest history)"
+            out.append((logging.WARNING if slower_everywhere else logging.INFO,
+                        f"replay kernels against native ({where}, float32 state, H200): {text}"))
+    if cfg.draft_tokens > 1 and tree_verify:
+        out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
     return out

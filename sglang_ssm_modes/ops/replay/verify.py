@@ -16,10 +16,11 @@ Two launches split the work by the axis it runs over:
   every history record and earlier window token — reading the history's keys once per head — and
   appends the window's key-side records (normalised and raw k, g, beta);
 * :func:`replay_output_kernel` (one program per ``BV`` value columns, as SGLang's native decode) reads
-  its checkpoint columns in a pipelined loop over K and its columns of the history's ``u``, solves the window's ``u`` and outputs with
-  those coefficients, and appends the value-side records (``u``, raw v). A request whose window would
-  overflow is folded here, tile by tile, in the same launch — first, when the batch is large enough:
-  :func:`fold_order_kernel` (a one-program launch) orders the requests so that folding ones come first.
+  its checkpoint columns in a pipelined loop over K and its columns of the history's ``u``, solves the
+  window's ``u`` and outputs with those coefficients, and appends the value-side records (``u``, raw v). A
+  request whose window would overflow is folded here, tile by tile, in the same launch — first, when the
+  batch is large enough: :func:`fold_order_kernel` (a one-program launch) orders the requests so that
+  folding ones come first.
 
 The checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
@@ -202,7 +203,8 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop (``FBV = 16 * num_warps`` or ``BV``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty history in the ring's other half. Per token t:
+    by the loop (``FBV = min(BV, 16 * num_warps)``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty
+    history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
@@ -333,22 +335,26 @@ WIDE_TILING = (32, 1, 64, 3)
 WIDE_TILING_MIN_REQUESTS = 64
 """Requests per launch from which :data:`WIDE_TILING` serves. On the H200 (bench/results/replay/
 kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
-on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.09 /
-1.06x at 64, 1.06 / 1.06x at 128. Narrow is faster at 32 requests and fewer (decode batch 32 1.07 /
+on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
+1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
+Narrow is faster at 32 requests and fewer (decode batch 32 1.07 /
 1.06x, D = 4 batch 16 1.11 / 1.13x) except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise:
 two identical launches measured 7 % apart at batch 16)."""
 
 
 def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
-    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests
-    (:data:`NARROW_TILING` or :data:`WIDE_TILING`: two compiled variants per window length)."""
+    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests:
+    :data:`NARROW_TILING` or :data:`WIDE_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`,
+    three compiled variants of the output kernel per window length)."""
     return WIDE_TILING if requests >= WIDE_TILING_MIN_REQUESTS else NARROW_TILING
 
 
 FOLD_WARP_COLUMNS = 16
-"""Value columns per warp a fused fold advances at a time: a ``[K, 16]`` float32 tile per warp is what the
-registers hold beside the output path; wider output tiles fold in several passes. The fold's layout is
-then one 16-column tile per warp whatever the output tile, so its bits do not depend on the tiling."""
+"""Value columns per warp a fused fold advances at a time (``FBV = min(BV, 16 * num_warps)``): a ``[K, 16]``
+float32 tile per warp is what the registers hold beside the output path; wider output tiles fold in several
+passes. A fold's bits are the same whenever its K reduction stays inside one warp, as in every tiling
+tested (``test_launch_tiling_changes_no_result``, CPU and H200); a ``[16, 16]`` tile on 4 warps split K
+across warps and changed them (bench/results/replay/kloop_20261203, run 1)."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -374,8 +380,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
     per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
     choice for the launch's requests), ``window_warps`` tiles the window launch; ``dot`` projects the
-    checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16``) or on CUDA cores. Checkpoints and every record but ``u`` are the same bits
-    for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
+    checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
+    or on CUDA cores. Checkpoints and every record but ``u`` are the same bits for every choice; outputs and
+    ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -386,21 +393,26 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
     served = output_tiling(n)
-    bv, warps = block_v or served[0], num_warps or served[1]
+    bv = served[0] if block_v is None else block_v
+    warps = served[1] if num_warps is None else num_warps
+    stages = served[3] if num_stages is None else num_stages
     if bv < 1 or bv & (bv - 1):
         raise ValueError(f"block_v {bv} must be a power of two")
+    if warps not in (1, 2, 4, 8) or stages < 1:
+        raise ValueError(f"num_warps {warps} must be 1, 2, 4 or 8 and num_stages {stages} at least 1")
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     BV = min(triton.next_power_of_2(vdim), bv)
-    BK = block_k or min(served[2] or kdim, kdim)  # the default fits any K; an explicit block_k is checked
+    BK = min(served[2] or kdim, kdim) if block_k is None else block_k  # the default fits any K
     if BK < 1 or BK & (BK - 1) or BK > kdim:
         raise ValueError(f"block_k {BK} must be a power of two no larger than head_k_dim {kdim}")
-    stages = num_stages or served[3]
     dot = T > 1 if dot is None else dot
     if dot and BV < 16:
-        raise ValueError(f"block_v {BV}: the tensor-core projections need at least 16 columns per program")
+        raise ValueError(f"block_v {BV}: the tensor-core projections need at least 16 columns per program; "
+                         "pass block_v >= 16 or dot=False")
     if dot and BK < 16:
-        raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step")
+        raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step; "
+                         + ("pass dot=False (head_k_dim < 16)" if kdim < 16 else "pass block_k >= 16 or dot=False"))
     L, TP = ring.history, triton.next_power_of_2(T)
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
@@ -421,7 +433,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
         T, v.stride()[1],
-        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_WARP_COLUMNS * warps), L=L, TP=TP, W=W, NP=max(16, 2 * TP),
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_WARP_COLUMNS * warps), L=L, TP=TP, W=W,
+        NP=max(16, 2 * TP),
         IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
         num_warps=warps, num_stages=stages)
     return o
