@@ -14,7 +14,6 @@ fla keeps no state indices: :func:`decode` runs on a contiguous ``[N, HV, V, K]`
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from wheel_cli import extract_main
 
 WHEELS = {"fla_core": ("fla-core==0.6.0", "fla/"), "einops": ("einops==0.8.2", "einops/")}
 """Distribution file prefix -> (pip requirement, package folder inside the wheel)."""
@@ -77,17 +78,9 @@ def decode(kernels, A_log, a, dt_bias, q, k, v, b, states, *, is_kda: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("extract", help="unpack fla and einops from their wheels into --out")
-    ex.add_argument("--wheels", type=Path,
-                    help="a folder with the fla_core-0.6.0 and einops wheels (default: pip download)")
-    ex.add_argument("--out", type=Path, default=DEFAULT_DIR)
-    args = p.parse_args(argv)
-    if args.wheels is not None and not args.wheels.is_dir():
-        p.error(f"--wheels {args.wheels}: no such folder")
-    print(extract(args.wheels, args.out))
-    return 0
+    return extract_main(argv, __doc__.split("\n\n")[0], "unpack fla and einops from their wheels into --out",
+                        "--wheels", "a folder with the fla_core-0.6.0 and einops wheels (default: pip download)",
+                        True, DEFAULT_DIR, extract)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ native recurrence), and the caller advances ``write_pos = (write_pos + 1) % L`` 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from wheel_cli import extract_main
 
 VERSION = "0.5.23"
 MODULE = "fused_recurrent_linear_replayssm.py"
@@ -113,16 +114,9 @@ def advance(write_pos, history: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("extract", help="take the upstream decode kernel out of the sglang 0.5.23 wheel")
-    e.add_argument("--wheel", type=Path, help="a downloaded sglang-0.5.23 wheel (default: pip download it)")
-    e.add_argument("--out", type=Path, default=DEFAULT_DIR)
-    args = p.parse_args(argv)
-    if args.wheel is not None and not args.wheel.is_file():
-        p.error(f"--wheel {args.wheel}: no such file")
-    print(extract(args.wheel, args.out))
-    return 0
+    return extract_main(argv, __doc__.split("\n\n")[0],
+                        "take the upstream decode kernel out of the sglang 0.5.23 wheel", "--wheel",
+                        "a downloaded sglang-0.5.23 wheel (default: pip download it)", False, DEFAULT_DIR, extract)
 
 
 if __name__ == "__main__":
