@@ -15,16 +15,17 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 
-SOURCE = "bench/results/replay/kloop_20261203"
-L64_SOURCE = "bench/results/replay/foldfirst_20261203, before the K loop"
+SOURCES = {16: "bench/results/replay/kloop_20261203", 32: "bench/results/replay/kloop_20261203",
+           64: "bench/results/replay/foldfirst_20261203, before the K loop"}
+"""Where the figures of each history come from."""
 
 DECODE = {
     ("gdn", 16): ("plain decode 0.50-0.87x native below 64 running requests, 1.11-1.18x from 64 to 256", False),
     ("kda", 16): ("plain decode 0.50-0.83x native below 64 running requests, 1.00-1.04x from 64 to 256", False),
     ("gdn", 32): ("plain decode 0.74x native at 32 running requests, 1.09-1.10x at 128-256", False),
     ("kda", 32): ("plain decode 0.70x native at 32 running requests, 0.83x at 128-256", True),
-    ("gdn", 64): (f"plain decode 0.39-0.88x native at 1-256 running requests ({L64_SOURCE})", True),
-    ("kda", 64): (f"plain decode 0.36-0.60x native at 1-256 running requests ({L64_SOURCE})", True),
+    ("gdn", 64): ("plain decode 0.39-0.88x native at 1-256 running requests", True),
+    ("kda", 64): ("plain decode 0.36-0.60x native at 1-256 running requests", True),
 }
 """Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
 native at every batch measured. Below 64 requests a replay step is three small launches (window, output,
@@ -36,11 +37,10 @@ VERIFY = {
     ("kda", 16): ("a D = 4 speculative round 1.00-1.08x native below 16 requests, 1.45-1.73x from 16 to 256", False),
     ("gdn", 32): ("a D = 4 speculative round 1.12-1.70x native at 32-256 requests", False),
     ("kda", 32): ("a D = 4 speculative round 1.17-1.54x native at 32-256 requests", False),
-    ("gdn", 64): (f"a D = 4 speculative round 0.69-0.98x native below 32 requests, 1.06-1.18x from 32 "
-                  f"({L64_SOURCE})", False),
-    ("kda", 64): (f"a D = 4 speculative round 0.75-0.95x native at 1-256 requests ({L64_SOURCE})", True),
+    ("gdn", 64): ("a D = 4 speculative round 0.69-0.98x native below 32 requests, 1.06-1.18x from 32", False),
+    ("kda", 64): ("a D = 4 speculative round 0.75-0.95x native at 1-256 requests", True),
 }
-"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE`."""
+"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE` (same keys)."""
 
 LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at every batch measured "
                  "(GDN with a bfloat16 state, L = 16: plain decode 0.35-0.64x, a D = 4 round 0.69-0.82x; "
@@ -65,17 +65,14 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
     key = (family, cfg.replay_history)
     if key not in DECODE:
         return [(logging.INFO, f"replay ({where}): speed against native not measured for this history "
-                               f"(measured: L = 16, 32 in {SOURCE}; L = 64 in {L64_SOURCE})")]
+                               f"(measured: L = {', '.join(map(str, SOURCES))})")]
     out = []
-    chain_verify = cfg.draft_tokens > 1 and not tree_verify
-    for (text, slower_everywhere), applies in ((DECODE[key], True), (VERIFY.get(key, ("", False)), chain_verify)):
-        if applies and text:
-            if "bench/results" not in text:
-                text += f" ({SOURCE})"
-            if slower_everywhere:
-                text += ": slower than native at every batch measured (L = 16 is the fastest history)"
-            out.append((logging.WARNING if slower_everywhere else logging.INFO,
-                        f"replay kernels against native ({where}, float32 state, H200): {text}"))
+    for text, slower_everywhere in [DECODE[key]] + ([VERIFY[key]] if cfg.draft_tokens > 1 and not tree_verify else []):
+        text += f" ({SOURCES[cfg.replay_history]})"
+        if slower_everywhere:
+            text += ": slower than native at every batch measured (L = 16 is the fastest history)"
+        out.append((logging.WARNING if slower_everywhere else logging.INFO,
+                    f"replay kernels against native ({where}, float32 state, H200): {text}"))
     if cfg.draft_tokens > 1 and tree_verify:
         out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
     return out

@@ -337,9 +337,9 @@ WIDE_TILING_MIN_REQUESTS = 64
 kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
 on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
 1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
-Narrow is faster at 32 requests and fewer (decode batch 32 1.07 /
-1.06x, D = 4 batch 16 1.11 / 1.13x) except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise:
-two identical launches measured 7 % apart at batch 16)."""
+Narrow is faster at 32 requests and fewer (decode batch 32 1.07 / 1.06x, D = 4 batch 16 1.11 / 1.13x)
+except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical launches measured 7 %
+apart at batch 16)."""
 
 
 def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
