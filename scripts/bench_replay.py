@@ -45,7 +45,7 @@ NATIVE_IMPLS = ("sglang-0.5.14-native", "ours-native")
 STATELESS_IMPLS = (*NATIVE_IMPLS, "fla")
 """Implementations without a history: one row per (family, dtype, D, batch), whatever the case's L."""
 
-KERNELS = {"replay_window": "window", "replay_output": "output", "advance": "advance", "replay_fold": "fold",
+KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": "step", "advance": "advance", "replay_fold": "fold",
            "packed_decode": "decode", "fused_sigmoid_gating": "verify", "verify_window": "verify",
            "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
            "fused_recurrent_kda_fwd": "fla"}
@@ -70,7 +70,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
-    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_window_kernel
+    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
 
     resources = {} if resources is None else resources
 
@@ -173,7 +173,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {name}", replay_step_fused(variant), replay_bytes,
-               f"replay_verify[window+output](fused fold, {variant}, round_beta={round_beta})+advance(window={d})",
+               f"replay_verify[{'step' if variant.get('launches') == 1 else 'window+output'}](fused fold, {variant}, "
+               f"round_beta={round_beta})+advance(window={d})",
                replay_per_req) for name, variant in variants),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
@@ -182,7 +183,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             *((fla_row,) if d == 1 and fla is not None else ())):
         key = (family, dtype_name, history, d, round_beta, fold)
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
-            resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel},
+            resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel,
+                                                 "step": replay_step_kernel},
                                                 lambda: fn_(0)) or None
         us = time_graph(fn_, rounds)
         parts = kernel_times(fn_, rounds, KERNELS)
@@ -211,6 +213,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["dot"] = opt == "dot"
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
+            elif opt in ("one", "two"):
+                kw["launches"] = 1 if opt == "one" else 2
             elif opt in ("inorder", "foldfirst"):
                 kw["fold_first"] = opt == "foldfirst"
             elif opt[:1] == "k" and opt[1:] in ("16", "32", "64", "128"):
@@ -219,7 +223,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["num_stages"] = int(opt[1:])
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst")
+                             ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
+                             ":two (window, then output)")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -280,14 +285,15 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
-                        "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS). The first listed is "
+                        "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
+                        "(:two: window, then output). The first listed is "
                         "plotted: list the served default first. "
                         "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),

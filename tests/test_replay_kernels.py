@@ -157,8 +157,8 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
-    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` (what the
-    benchmark sweeps) tile the two launches; checkpoints (a fused fold included) and every ring record but
+    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches``
+    (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
     a fold (folds replay the raw records)."""
@@ -171,7 +171,10 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False),
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False),  # 2 fold passes, 2 K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True),
-                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3)):  # as the served wide tiling
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3),  # as the served wide tiling
+                    dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
         ring.count.fill_(L - 1)  # every request folds inside the launch
         gen = torch.Generator().manual_seed(51)
@@ -315,15 +318,16 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 @pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (64, 4, "served"), (16, 1, "wide"),
-                                        (16, 4, "wide")])
+                                        (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"), (16, 4, "wide:one")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it. ``wide``: the tiling served from 64 requests
-    (two K steps, two fold passes, 3 stages) on these 9."""
+    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel."""
     n, kdim, vdim = 9, 128, 128
-    tiling_options = {} if tiling == "served" else dict(zip(("block_v", "num_warps", "block_k", "num_stages"),
-                                                            WIDE_TILING))
+    tiling_options = dict(launches=1) if tiling.endswith("one") else {}
+    if tiling.startswith("wide"):
+        tiling_options.update(zip(("block_v", "num_warps", "block_k", "num_stages"), WIDE_TILING))
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)
     gen = torch.Generator().manual_seed(47)
     pool = pool.to(DEVICE)

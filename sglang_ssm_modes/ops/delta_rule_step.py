@@ -7,11 +7,9 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold,
-                  IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
-    """``g = -exp(A_log) * softplus(a + dt_bias)`` (scalar for GDN, ``[BK]`` for KDA) and
-    ``beta = 1 / (1 + exp(-b))`` (or ``b`` itself when ``BETA_ACTIVATED``), both float32, from one
-    token's pointers."""
+def decay_gate(p_A_log, p_a, p_dt_bias, mask_k, softplus_beta, softplus_threshold, IS_KDA: tl.constexpr):
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` float32 (scalar for GDN, ``[BK]`` at ``mask_k`` for KDA)
+    from one token's pointers."""
     b_A_log = tl.load(p_A_log).to(tl.float32)
     if IS_KDA:
         b_a = tl.load(p_a, mask=mask_k, other=0).to(tl.float32)
@@ -22,12 +20,25 @@ def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_
     x = b_a + b_dt_bias
     beta_x = softplus_beta * x
     softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
-    b_g = -tl.exp(b_A_log) * softplus_x
+    return -tl.exp(b_A_log) * softplus_x
+
+
+@triton.jit
+def beta_gate(p_b, BETA_ACTIVATED: tl.constexpr):
+    """``beta = 1 / (1 + exp(-b))`` float32 (or ``b`` itself when ``BETA_ACTIVATED``) of one token."""
     if BETA_ACTIVATED:
         b_beta = tl.load(p_b).to(tl.float32)
     else:
         b_beta = 1.0 / (1.0 + tl.exp(-tl.load(p_b).to(tl.float32)))
-    return b_g, b_beta
+    return b_beta
+
+
+@triton.jit
+def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold,
+                  IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
+    """:func:`decay_gate` and :func:`beta_gate` of one token: ``(g, beta)``."""
+    return (decay_gate(p_A_log, p_a, p_dt_bias, mask_k, softplus_beta, softplus_threshold, IS_KDA),
+            beta_gate(p_b, BETA_ACTIVATED))
 
 
 @triton.jit

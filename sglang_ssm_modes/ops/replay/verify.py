@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_records, gate_vector, l2normalize, store_key_record
+from ..delta_rule_step import apply_records, beta_gate, decay_gate, gate_vector, l2normalize, store_key_record
 from .ring import ReplayRing, flag_nonfinite, window_overflows
 
 
@@ -260,8 +260,188 @@ def replay_output_kernel(
         else:
             s0k = tl.sum(tl.where(o_t[:, None] == t, b_sk, 0), 0)
             s0q = tl.sum(tl.where(o_t[:, None] == t, b_sq, 0), 0)
-        b_uw = output_token(t, t < T, s0k, s0q, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, rec0 + c, valid,
-                            stride_v, o_v, o_l, o_t, mask_v, HV, K, V, L, TP, W)
+        live = t < T
+        p_row = proj + ((bos + t) * HV + i_hv) * W  # the window launch's coefficients of token t
+        b_uw = output_token(t, live, s0k, s0q, tl.load(p_row + 2 * K + o_l, mask=live, other=0),
+                            tl.load(p_row + 2 * K + L + o_l, mask=live, other=0),
+                            tl.load(p_row + 2 * K + 2 * L + o_t, mask=live, other=0),
+                            tl.load(p_row + 2 * K + 2 * L + TP + o_t, mask=live, other=0),
+                            tl.load(p_row + 2 * K + 2 * L + TP + t, mask=live, other=0),
+                            tl.load(p_row + 2 * K + 2 * L + 2 * TP, mask=live, other=0), b_uh, b_uw, v, o, r_u, r_vraw,
+                            bos, i_hv, rec0 + c, valid, stride_v, o_v, o_t, mask_v, HV, V)
+
+
+@triton.jit(do_not_specialize=["T"])
+def replay_step_kernel(
+    A_log, a, dt_bias, q, k, v, b, o, h0_source, h0_indices,
+    r_u, r_kn, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order,
+    softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+    FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
+    BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr, DOT: tl.constexpr,
+    FOLD_FIRST: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * HV)``: the whole window in one launch — :func:`replay_window_kernel`'s K-side
+    work done by every output program for itself, tile by tile inside its checkpoint loop, so no ``proj``
+    scratch and no second launch. Inputs as the two launches (``q, k`` ``[1, N*T, H, K]``, ``v``, ``o``
+    ``[1, N*T, HV, V]``, ``a`` ``[N*T, HV(*K)]``, ``b`` ``[1, N*T, HV]``; checkpoints ``[slots, HV, V, K]`` at
+    ``h0_indices``; ring at ``rec_indices``), same fused fold and fold-first order. Per ``[BK]`` K tile a
+    program reads its checkpoint rows ``[BK, BV]``, the history's normalised keys ``[L, BK]`` (KDA: and gates)
+    and the window's raw q, k, and accumulates the checkpoint projections (``DOT``: one ``tl.dot`` per tile)
+    and the history and window coefficients (``[TP, L]``, ``[TP, TP]``); the program of the first column tile
+    appends the window's key-side records (normalised and raw k once per key head, g, beta). The history's
+    keys are read once per column tile (``V / BV`` times per head) instead of once per head."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    if FOLD_FIRST:
+        i_n = tl.load(order + i_n)
+    i_h = i_hv // (HV // H)
+    bos = i_n * T
+    o_K = tl.arange(0, K)
+    o_bk = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_l = tl.arange(0, L)
+    o_t = tl.arange(0, TP)
+    mask_v = o_v < V
+
+    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
+    rec0 = r * 2 * L + phase.to(tl.int64) * L
+    if fold:  # the full history sits in the other half
+        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
+        tl.debug_barrier()  # the loop below reads the folded columns other threads stored
+
+    # per window token: the L2 norms of q and k (over the whole K), beta and (GDN) the gate
+    p_A_log = A_log + i_hv
+    b_kden = tl.zeros([TP], dtype=tl.float32) + 1.0
+    b_qden = tl.zeros([TP], dtype=tl.float32) + 1.0
+    b_gw = tl.zeros([TP], dtype=tl.float32)
+    b_betaw = tl.zeros([TP], dtype=tl.float32)
+    for t in tl.static_range(TP):
+        live = t < T
+        t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's inputs
+        b_kr = tl.load(k + (bos + t_in) * stride_k + i_h * K + o_K).to(tl.float32)
+        b_qr = tl.load(q + (bos + t_in) * stride_q + i_h * K + o_K).to(tl.float32)
+        b_kden = tl.where(o_t == t, tl.sqrt(tl.sum(b_kr * b_kr) + 1e-6), b_kden)
+        b_qden = tl.where(o_t == t, tl.sqrt(tl.sum(b_qr * b_qr) + 1e-6), b_qden)
+        if not IS_KDA:
+            b_gw = tl.where(o_t == t, token_gate(p_A_log, a + (bos + t_in) * stride_a, dt_bias, i_hv, o_bk,
+                                                 softplus_beta, softplus_threshold, K, IS_KDA), b_gw)
+        b_beta = beta_gate(b + (bos + t_in) * stride_b + i_hv, BETA_ACTIVATED)
+        if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
+            b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+        b_betaw = tl.where(o_t == t, b_beta, b_betaw)
+    # the history's gates: GDN's decays to the end of the history (KDA's are per K row: in the loop)
+    m_l = o_l < c
+    p_rec = rec0 + o_l
+    b_gsum = 0.0
+    b_dec = tl.zeros([L], dtype=tl.float32)
+    if not IS_KDA:
+        b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
+        b_gsum = tl.sum(b_gh, 0)
+        b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))
+    b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
+                   mask=m_l[:, None] & mask_v[None, :], other=0)
+
+    o_p = tl.arange(0, NP)
+    b_sp = tl.zeros([BV, NP], dtype=tl.float32)
+    b_sk = tl.zeros([TP, BV], dtype=tl.float32)
+    b_sq = tl.zeros([TP, BV], dtype=tl.float32)
+    b_chk = tl.zeros([TP, L], dtype=tl.float32)  # history coefficients, row t = token t
+    b_chq = tl.zeros([TP, L], dtype=tl.float32)
+    b_cwk = tl.zeros([TP, TP], dtype=tl.float32)  # window coefficients, row t = token t, column j = token j
+    b_cwq = tl.zeros([TP, TP], dtype=tl.float32)
+    m_h = mask_v[None, :] & (idx >= 0)
+    writes_gate = valid & (i_v == 0)
+    writes_k = writes_gate & (i_hv % (HV // H) == 0)
+    pos0 = rec0 + c
+    for kk in range(0, K // BK):
+        o_k = kk * BK + o_bk
+        b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
+        b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
+        if IS_KDA:
+            b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
+            b_Gt = tl.sum(b_gh, 0)
+            b_kh = tl.where(m_l[:, None], b_kh * tl.exp(b_Gt[None, :] - tl.cumsum(b_gh, 0)), 0)
+        else:
+            b_Gt = tl.zeros([BK], dtype=tl.float32) + b_gsum
+            b_kh = tl.where(m_l[:, None], b_kh * b_dec[:, None], 0)
+        b_Gw = tl.zeros([BK], dtype=tl.float32)  # log-decay of the window so far
+        b_kw = tl.zeros([TP, BK], dtype=tl.float32)  # the window's normalised keys ...
+        b_Gws = tl.zeros([TP, BK], dtype=tl.float32)  # ... and log-decays, row j = token j
+        b_p = tl.zeros([NP, BK], dtype=tl.float32)
+        for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
+            live = t < T
+            t_in = tl.where(live, t, 0)
+            b_k_raw = tl.load(k + (bos + t_in) * stride_k + i_h * K + o_k)
+            b_kn = b_k_raw.to(tl.float32) / tl.sum(tl.where(o_t == t, b_kden, 0))
+            b_qn = tl.load(q + (bos + t_in) * stride_q + i_h * K + o_k).to(tl.float32) \
+                / tl.sum(tl.where(o_t == t, b_qden, 0)) * scale
+            if IS_KDA:
+                b_gv = token_gate(p_A_log, a + (bos + t_in) * stride_a, dt_bias, i_hv, o_k, softplus_beta,
+                                  softplus_threshold, K, IS_KDA)
+            else:
+                b_gv = tl.sum(tl.where(o_t == t, b_gw, 0))
+            b_Gt += b_gv
+            b_Gw += b_gv
+            b_e = tl.exp(b_Gt)
+            b_ew = tl.exp(b_Gw)
+            if DOT:
+                b_p = tl.where(o_p[:, None] == t, (b_e * b_kn)[None, :],
+                               tl.where(o_p[:, None] == TP + t, (b_e * b_qn)[None, :], b_p))
+            else:
+                b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * (b_e * b_kn)[:, None], 0)[None, :], b_sk)
+                b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * (b_e * b_qn)[:, None], 0)[None, :], b_sq)
+            row = o_t[:, None] == t
+            b_chk += tl.where(row, tl.sum(b_kh * (b_ew * b_kn)[None, :], 1)[None, :], 0)
+            b_chq += tl.where(row, tl.sum(b_kh * (b_ew * b_qn)[None, :], 1)[None, :], 0)
+            b_kd = b_kw * tl.exp(b_Gw[None, :] - b_Gws)
+            b_cwk += tl.where(row & (o_t[None, :] < t), tl.sum(b_kd * b_kn[None, :], 1)[None, :], 0)
+            b_cwq += tl.where(row, tl.where(o_t < t, tl.sum(b_kd * b_qn[None, :], 1),
+                                            tl.where(o_t == t, tl.sum(b_kn * b_qn), 0))[None, :], 0)
+            b_kw = tl.where(row, b_kn[None, :], b_kw)
+            b_Gws = tl.where(row, b_Gw[None, :], b_Gws)
+            pos = pos0 + t
+            rec_k = (pos * H + i_h) * K + o_k
+            tl.store(r_kn + rec_k, b_kn, mask=writes_k & live)
+            tl.store(r_kraw + rec_k, b_k_raw, mask=writes_k & live)
+            if IS_KDA:
+                tl.store(r_g + (pos * HV + i_hv) * K + o_k, b_gv, mask=writes_gate & live)
+        if DOT:  # [BV, BK] x [BK, NP] on tensor cores
+            b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
+
+    b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
+    for t in tl.static_range(TP):
+        live = t < T
+        row = o_t[:, None] == t
+        if DOT:
+            s0k = tl.sum(tl.where(o_p[None, :] == t, b_sp, 0), 1)
+            s0q = tl.sum(tl.where(o_p[None, :] == TP + t, b_sp, 0), 1)
+        else:
+            s0k = tl.sum(tl.where(row, b_sk, 0), 0)
+            s0q = tl.sum(tl.where(row, b_sq, 0), 0)
+        b_beta = tl.sum(tl.where(o_t == t, b_betaw, 0))
+        pos = pos0 + t
+        if not IS_KDA:
+            tl.store(r_g + pos * HV + i_hv, tl.sum(tl.where(o_t == t, b_gw, 0)), mask=writes_gate & live)
+        tl.store(r_beta + pos * HV + i_hv, b_beta, mask=writes_gate & live)
+        b_kq = tl.sum(tl.sum(tl.where(row & (o_t[None, :] == t), b_cwq, 0), 1), 0)
+        b_uw = output_token(t, live, s0k, s0q, tl.sum(tl.where(row, b_chk, 0), 0), tl.sum(tl.where(row, b_chq, 0), 0),
+                            tl.sum(tl.where(row, b_cwk, 0), 0), tl.sum(tl.where(row, b_cwq, 0), 0), b_kq, b_beta,
+                            b_uh, b_uw, v, o, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_v, o_t, mask_v, HV, V)
+
+
+@triton.jit
+def token_gate(p_A_log, p_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K: tl.constexpr,
+               IS_KDA: tl.constexpr):
+    """One token's log-decay ``g`` for value head ``i_hv`` from its row ``p_a`` of ``a``
+    (:func:`~..delta_rule_step.decay_gate`): KDA's at the K rows ``o_k``, GDN's scalar."""
+    if IS_KDA:
+        return decay_gate(p_A_log, p_a + i_hv * K + o_k, dt_bias + i_hv * K + o_k, o_k < K, softplus_beta,
+                          softplus_threshold, IS_KDA)
+    else:
+        return decay_gate(p_A_log, p_a + i_hv, dt_bias + i_hv, o_k < K, softplus_beta, softplus_threshold, IS_KDA)
 
 
 @triton.jit
@@ -289,20 +469,13 @@ def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, 
 
 
 @triton.jit
-def output_token(t, live, s0k, s0q, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_v, o_l,
-                 o_t, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
-                 W: tl.constexpr):
-    """Token t of the output launch (``live``: t < T): its ``u`` and output from the checkpoint's
-    projections ``s0k = S0 . (e^{G_t} k_t)``, ``s0q = S0 . (e^{G_t} q_t)`` (``[BV]``), the history's ``b_uh``
-    and the window's ``b_uw``; stores the output and (real rows) the ``u`` and raw ``v`` records; returns
-    ``b_uw`` with row t set."""
-    p_row = proj + ((bos + t) * HV + i_hv) * W
-    b_chk = tl.load(p_row + 2 * K + o_l, mask=live, other=0)
-    b_chq = tl.load(p_row + 2 * K + L + o_l, mask=live, other=0)
-    b_cwk = tl.load(p_row + 2 * K + 2 * L + o_t, mask=live, other=0)
-    b_cwq = tl.load(p_row + 2 * K + 2 * L + TP + o_t, mask=live, other=0)
-    b_kq = tl.load(p_row + 2 * K + 2 * L + TP + t, mask=live, other=0)
-    b_beta = tl.load(p_row + 2 * K + 2 * L + 2 * TP, mask=live, other=0)
+def output_token(t, live, s0k, s0q, b_chk, b_chq, b_cwk, b_cwq, b_kq, b_beta, b_uh, b_uw, v, o, r_u, r_vraw, bos, i_hv,
+                 pos0, valid, stride_v, o_v, o_t, mask_v, HV: tl.constexpr, V: tl.constexpr):
+    """Token t of the window's value side (``live``: t < T): its ``u`` and output from the checkpoint's
+    projections ``s0k = S0 . (e^{G_t} k_t)``, ``s0q = S0 . (e^{G_t} q_t)`` (``[BV]``), its coefficients on the
+    history (``b_chk``, ``b_chq`` ``[L]``) and on the window (``b_cwk``, ``b_cwq`` ``[TP]``; ``b_kq = k_t . q_t``),
+    the history's ``b_uh`` and the window's ``b_uw``; stores the output and (real rows) the ``u`` and raw ``v``
+    records; returns ``b_uw`` with row t set."""
     b_v_raw = tl.load(v + (bos + t) * stride_v + i_hv * V + o_v, mask=mask_v & live, other=0)
     acc_k = tl.sum(b_uh * b_chk[:, None], 0) + tl.sum(b_uw * b_cwk[:, None], 0)
     acc_q = tl.sum(b_uh * b_chq[:, None], 0) + tl.sum(b_uw * b_cwq[:, None], 0)  # row t of b_uw is still 0
@@ -313,7 +486,6 @@ def output_token(t, live, s0k, s0q, b_uh, b_uw, v, o, proj, r_u, r_vraw, bos, i_
     tl.store(r_u + (pos * HV + i_hv) * V + o_v, b_u, mask=mask_v & live & valid)
     tl.store(r_vraw + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v & live & valid)
     return tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
-
 
 WINDOW_WARPS = 4
 """Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): beside 2
@@ -363,7 +535,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int = WINDOW_WARPS,
-                  dot: bool | None = None) -> torch.Tensor:
+                  dot: bool | None = None, launches: int = 2) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
     (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
@@ -413,27 +585,40 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if dot and BK < 16:
         raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step; "
                          + ("pass dot=False (head_k_dim < 16)" if kdim < 16 else "pass block_k >= 16 or dot=False"))
+    if launches not in (1, 2):
+        raise ValueError(f"launches {launches} must be 1 (one launch) or 2 (window, then output)")
     L, TP = ring.history, triton.next_power_of_2(T)
-    W = 2 * kdim + 2 * L + 2 * TP + 1
-    proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
     scale = kdim ** -0.5 if scale is None else scale
     fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
     order = None
     if fold_first:
         order = torch.empty(n, dtype=torch.int32, device=q.device)
         fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
+    o = q.new_empty(1, t_all, hv, vdim)
+    fbv = min(BV, FOLD_WARP_COLUMNS * warps)
+    if launches == 1:
+        replay_step_kernel[(triton.cdiv(vdim, BV), n * hv)](
+            A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
+            ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults,
+            record_indices, order, 1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1],
+            b.stride()[-2],
+            H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, NP=max(16, 2 * TP), IS_KDA=is_kda,
+            BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, DOT=dot,
+            FOLD_FIRST=fold_first, num_warps=warps, num_stages=stages)
+        return o
+    W = 2 * kdim + 2 * L + 2 * TP + 1
+    proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
     replay_window_kernel[(n * hv,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
         ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
         FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
-    o = q.new_empty(1, t_all, hv, vdim)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
         T, v.stride()[1],
-        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=min(BV, FOLD_WARP_COLUMNS * warps), L=L, TP=TP, W=W,
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
         IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
         num_warps=warps, num_stages=stages)
