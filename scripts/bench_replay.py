@@ -213,6 +213,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["dot"] = opt == "dot"
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
+            elif opt == "tokwin":
+                kw["window_tokens"] = True
             elif opt in ("one", "two"):
                 kw["launches"] = 1 if opt == "one" else 2
             elif opt in ("inorder", "foldfirst"):
