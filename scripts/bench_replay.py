@@ -45,9 +45,9 @@ NATIVE_IMPLS = ("sglang-0.5.14-native", "ours-native")
 STATELESS_IMPLS = (*NATIVE_IMPLS, "fla")
 """Implementations without a history: one row per (family, dtype, D, batch), whatever the case's L."""
 
-KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": "step", "advance": "advance", "replay_fold": "fold",
-           "packed_decode": "decode", "fused_sigmoid_gating": "verify", "verify_window": "verify",
-           "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
+KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": "step", "advance": "advance",
+           "replay_fold": "fold", "packed_decode": "decode", "fused_sigmoid_gating": "verify",
+           "verify_window": "verify", "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
            "fused_recurrent_kda_fwd": "fla"}
 
 
@@ -59,10 +59,11 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
 
 
 def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
-               upstream=None, fla=None):
+               upstream=None, fla=None, stateless=True):
     """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
     the separate fold) for one case; rows.
-    ``resources`` (a dict kept across cases) collects each replay variant's registers and spills."""
+    ``resources`` (a dict kept across cases) collects each replay variant's registers and spills;
+    ``stateless`` False skips the rows that do not depend on the history (native, fla: measured with another L)."""
     from sglang.srt.layers.attention.fla.fused_recurrent import (
         fused_recurrent_gated_delta_rule_packed_decode, fused_recurrent_kda_packed_decode)
     from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
@@ -181,6 +182,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
              replay_per_req),
             *((upstream_row,) if d == 1 and upstream is not None else ()),
             *((fla_row,) if d == 1 and fla is not None else ())):
+        if impl_ in STATELESS_IMPLS and not stateless:
+            continue
         key = (family, dtype_name, history, d, round_beta, fold)
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel,
@@ -213,8 +216,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["dot"] = opt == "dot"
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
-            elif opt == "tokwin":
-                kw["window_tokens"] = True
             elif opt in ("one", "two"):
                 kw["launches"] = 1 if opt == "one" else 2
             elif opt in ("inorder", "foldfirst"):
@@ -278,6 +279,35 @@ def write_report(result, out_dir):
     plot_speedups(points, "native / replay", os.path.join(out_dir, "replay_h200.png"))
 
 
+def merge_reports(parser, paths: list[str], out_dir: str) -> int:
+    """One report from several runs' results (rows concatenated; a case measured twice is refused). Each
+    run's copy bandwidth is kept (``copy_bw_gbps_runs``); each row's fraction is its own run's."""
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            parser.error(f"--merge {path}: {e}")
+    for key in ("gpu", "commit"):
+        if len({r.get(key) for r in runs}) > 1:
+            parser.error(f"--merge: the runs differ in {key} ({', '.join(str(r.get(key)) for r in runs)})")
+    case = lambda r: (r["op"], r["family"], r["impl"], r["state_dtype"], r["batch"], r["draft_tokens"], r["history"],
+                      r["fold"])
+    rows, seen = [], set()
+    for run in runs:
+        for row in run["rows"]:
+            if case(row) in seen:
+                parser.error(f"--merge: {case(row)} was measured in more than one run")
+            seen.add(case(row))
+            rows.append(row)
+    result = {**runs[0], "date": max(r["date"] for r in runs), "copy_bw_gbps_runs": [r["copy_bw_gbps"] for r in runs],
+              "rows": rows}
+    write_report(result, out_dir)
+    print(open(os.path.join(out_dir, "replay_h200.md")).read())
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -305,7 +335,12 @@ def main(argv=None) -> int:
                    help="folder of the extracted fla-core 0.6.0 (scripts/fla_kernels.py extract); fla decode rows "
                         "are added when it is there")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no GPU: write one report (JSON, table, plot) into --out from the replay_h200.json files of "
+                        "runs that split the cases between them (e.g. one per family), all of one GPU and commit")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge_reports(p, args.merge, args.out)
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
         p.error("batches and draft tokens must be >= 1")
     bad = [(L, d) for L in args.histories for d in args.draft_tokens if L < d or L not in (8, 16, 32, 64)]
@@ -333,11 +368,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     resources = {}
     for case in tqdm(cases, desc="replay bench", mininterval=5):
-        new = bench_case(*case, bw, variants, resources, upstream, fla)
-        # the native row of a (family, dtype, D, batch) is measured with each L; keep the first
-        result["rows"] += [r for r in new if r["impl"] not in STATELESS_IMPLS or not any(
-            o["impl"] == r["impl"] and (o["family"], o["state_dtype"], o["draft_tokens"], o["batch"]) ==
-            (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"]) for o in result["rows"])]
+        family, dtype_name, batch, d, _ = case
+        first = not any((o["family"], o["state_dtype"], o["batch"], o["draft_tokens"]) == (family, dtype_name, batch, d)
+                        for o in result["rows"])  # native and fla rows do not depend on L: measured with the first
+        result["rows"] += bench_case(*case, bw, variants, resources, upstream, fla, stateless=first)
         with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:
             json.dump(result, f)
     write_report(result, args.out)

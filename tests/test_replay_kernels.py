@@ -13,8 +13,9 @@ from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING, WIDE_TILING_MIN_REQUESTS,
-                                                fold_order_kernel, replay_output_kernel, replay_window_kernel)
+from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
+                                                WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
+                                                replay_step_kernel, replay_window_kernel)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -166,12 +167,13 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     results = []
-    for variant in (dict(block_v=16, num_warps=1), dict(block_v=32, num_warps=4, window_warps=1),
-                    dict(block_v=8, num_warps=1, dot=False),
-                    dict(block_v=16, num_warps=2, window_warps=2, dot=False),
-                    dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False),  # 2 fold passes, 2 K steps
-                    dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True),
-                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3),  # as the served wide tiling
+    two = dict(launches=2)
+    for variant in (dict(block_v=16, num_warps=1, **two), dict(block_v=32, num_warps=4, window_warps=1, **two),
+                    dict(block_v=8, num_warps=1, dot=False, **two),
+                    dict(block_v=16, num_warps=2, window_warps=2, dot=False, **two),
+                    dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
+                    dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
@@ -261,8 +263,8 @@ def test_fold_order_puts_folding_requests_first(n):
 def test_request_count_is_not_a_compile_time_constant():
     """No kernel takes the request count as a constexpr; the order launch's ``N`` and the window length
     ``T`` are runtime integers Triton must not specialise."""
-    for jit, runtime in ((replay_window_kernel, {"T"}), (replay_output_kernel, {"T"}), (fold_order_kernel, {"N", "T"}),
-                         (replay_fold_kernel, set())):
+    for jit, runtime in ((replay_window_kernel, {"T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
+                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty
                        for name in ("N", "B", "batch", "num_requests") if name in params)
@@ -280,12 +282,13 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
     """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
     per served choice and never per count. Per window length the output launch has three — narrow tiling in
     request order, narrow fold-first, wide fold-first (:data:`FOLD_FIRST_MIN_REQUESTS` 32,
-    :data:`WIDE_TILING_MIN_REQUESTS` 64) — and the window launch one, with a head shape no other test uses
+    :data:`WIDE_TILING_MIN_REQUESTS` 64) — the window launch one and the one-launch kernel one (up to
+    :data:`ONE_LAUNCH_MAX_TOKENS` 8 tokens: 8 decode requests, 2 verify), with a head shape no other test uses
     (earlier compilations cannot hide a recompile); the order launch (no head shape: another test may have
     compiled it) at most one for both (T and N are runtime integers)."""
     n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
-    kernels = (replay_window_kernel, replay_output_kernel)
-    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS) == (32, 64)  # the counts below follow from these
+    kernels = (replay_window_kernel, replay_output_kernel, replay_step_kernel)
+    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS) == (32, 64, 8)  # hence the counts
     order_before = _compiled_variants(fold_order_kernel)
     for d in (1, 4):
         params, x, pool, _ = make_case("gdn", n_max, d, hk, hv, kdim, vdim, torch.float32, seed=60 + d)
@@ -301,7 +304,7 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
             advance(ring, idx[:n], d, window=d)
         torch.cuda.synchronize()
         after = [_compiled_variants(j) for j in kernels]
-        assert tuple(a - b for a, b in zip(after, before)) == (1, 3), (d, before, after)
+        assert tuple(a - b for a, b in zip(after, before)) == (1, 3, 1), (d, before, after)
     assert _compiled_variants(fold_order_kernel) - order_before in (0, 1)
 
 

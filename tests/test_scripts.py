@@ -88,6 +88,8 @@ def test_bench_replay_variants_name_the_launch_options():
         ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
         ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)), ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
         ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
+    assert bench_replay.parse_variants(p, ["served:one", "16x1:two"]) == [
+        ("served:one", dict(launches=1)), ("16x1:two", dict(block_v=16, num_warps=1, launches=2))]
     assert bench_replay.parse_variants(p, ["served", "served:inorder", "16x1:k128:s2", "64x1:k32:s4:w2"]) == [
         ("served", {}), ("served:inorder", dict(fold_first=False)),
         ("16x1:k128:s2", dict(block_v=16, num_warps=1, block_k=128, num_stages=2)),
@@ -123,6 +125,32 @@ def test_bench_replay_report_from_rows(tmp_path):
     assert "| kda | float32 | 1 | – | 128 | fla | 140.0 | 150.0 | 0.93× | 0.90 | 0.85 | fla 145.0 |" in table
     assert "(sglang-0.5.23-x.whl)" in table and "(fla_core-0.6.0-y.whl:" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
+
+
+def test_bench_replay_merges_runs_that_split_the_cases(tmp_path, capsys):
+    base = dict(op="decode", state_dtype="float32", batch=8, draft_tokens=1, bytes_min=1, bytes_per_request=1, path="p")
+    runs = []
+    for i, family in enumerate(("gdn", "kda")):
+        rows = [dict(base, family=family, impl="sglang-0.5.14-native", history=None, fold=None, median_us=10.0,
+                     frac_copy_bw=0.5),
+                dict(base, family=family, impl="ours-replay", history=16, fold="fused served", median_us=20.0 + i,
+                     frac_copy_bw=0.3)]
+        runs.append(tmp_path / f"{family}.json")
+        runs[-1].write_text(json.dumps(dict(gpu="GPU", date=f"d{i}", commit="c", copy_bw_gbps=4000.0 + i, rows=rows)))
+    assert bench_replay.main(["--out", str(tmp_path / "out"), "--merge", *map(str, runs)]) == 0
+    merged = json.loads((tmp_path / "out" / "replay_h200.json").read_text())
+    assert len(merged["rows"]) == 4 and merged["copy_bw_gbps_runs"] == [4000.0, 4001.0] and merged["date"] == "d1"
+    table = (tmp_path / "out" / "replay_h200.md").read_text()
+    assert "| gdn | float32 | 1 | 16 | 8 | fused served | 10.0 | 20.0 | 0.50× |" in table
+    assert "| kda | float32 | 1 | 16 | 8 | fused served | 10.0 | 21.0 | 0.48× |" in table
+    other = json.loads(runs[1].read_text())
+    (tmp_path / "other.json").write_text(json.dumps(dict(other, commit="d")))
+    for bad, why in (([runs[0], runs[0]], "more than one run"), ([runs[0], tmp_path / "missing.json"], "missing.json"),
+                     ([runs[0], tmp_path / "other.json"], "differ in commit")):
+        with pytest.raises(SystemExit):
+            bench_replay.main(["--out", str(tmp_path / "bad"), "--merge", *map(str, bad)])
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_record_bytes_match_the_sizing_model():

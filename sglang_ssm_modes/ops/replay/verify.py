@@ -8,7 +8,7 @@ gate broadcast) and normalised ``k``, scaled ``q``::
     u_t = beta_t [v_t - S0 (e^{G_t} * k_t) - sum_{j<t} u_j ((k_j * e^{G_t - G_j}) . k_t)]
     o_t = S0 (e^{G_t} * q_t) + sum_{j<=t} u_j ((k_j * e^{G_t - G_j}) . q_t)
 
-Two launches split the work by the axis it runs over:
+Two launches split the work by the axis it runs over (a small GDN window runs in one, below):
 
 * :func:`replay_window_kernel` (one program per request and value head) does everything that runs
   over K: the window's gates, normalised keys and queries, the decayed projections ``e^{G_t} * k_t``,
@@ -22,7 +22,11 @@ Two launches split the work by the axis it runs over:
   batch is large enough: :func:`fold_order_kernel` (a one-program launch) orders the requests so that
   folding ones come first.
 
-The checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
+:func:`replay_step_kernel` does both in one launch, every output program computing the window's K-side work
+for itself tile by tile: no launch gap and no scratch, but the history's keys read once per column tile and
+programs twice the registers — served where launches, not bytes, bound the time (:data:`ONE_LAUNCH_MAX_TOKENS`).
+
+In two launches the checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
 (another summation order).
 """
@@ -60,117 +64,6 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
 
 @triton.jit(do_not_specialize=["T"])
 def replay_window_kernel(
-    A_log, a, dt_bias, q, k, b, proj, h0_indices,
-    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
-    softplus_beta, softplus_threshold, scale, T,
-    stride_a, stride_q, stride_k, stride_b,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, TP: tl.constexpr,
-    NPW: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr,
-):
-    """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
-    ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), every token at once. Writes one row of
-    ``proj`` ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t``
-    (K), ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
-    ``. q_t`` (L each, records ``j < count``: one ``tl.dot`` of the window's ``[2TP, K]`` decayed keys and
-    queries, ``NPW = max(16, 2TP)`` rows, with the history's ``[LP, K]`` decayed keys, ``LP = max(L, 16)``),
-    the window coefficients for tokens ``j < t`` of ``. k_t`` and ``j <= t`` of ``. q_t`` (TP each, ``TP =
-    next_power_of_2(T)``) and beta. Appends normalised and raw k (once per key head), g and beta at ring
-    position ``phase * L + count + t`` of real rows. ``K`` a power of two; ring and cursors as
-    :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
-    i_nh = tl.program_id(0)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos = i_n * T
-    o_k = tl.arange(0, K)
-    o_l = tl.arange(0, LP)
-    o_t = tl.arange(0, TP)
-    _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
-    rec0 = r * 2 * L + phase.to(tl.int64) * L
-
-    # the history's keys, decayed to the end of the history, and its total log-decay Gc
-    m_l = o_l < c
-    p_rec = rec0 + o_l
-    if IS_KDA:
-        b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
-        b_Gc = tl.sum(b_gh, 0)
-        b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
-    else:
-        b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
-        b_gsum = tl.sum(b_gh, 0)
-        b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
-        b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
-    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
-    b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
-
-    # the window's tokens, row t = token t (rows past T read token 0 and store nothing)
-    m_t = o_t < T
-    tok = bos + tl.where(m_t, o_t, 0)
-    if IS_KDA:
-        b_g = decay_gate(A_log + i_hv, a + tok[:, None] * stride_a + i_hv * K + o_k[None, :],
-                         dt_bias + i_hv * K + o_k[None, :], m_t[:, None] & (o_k < K)[None, :], softplus_beta,
-                         softplus_threshold, IS_KDA)
-        b_gv = b_g
-    else:
-        b_g = decay_gate(A_log + i_hv, a + tok * stride_a + i_hv, dt_bias + i_hv, m_t, softplus_beta,
-                         softplus_threshold, IS_KDA)
-        b_gv = tl.zeros([TP, K], dtype=tl.float32) + b_g[:, None]
-    b_beta = beta_gate(b + tok * stride_b + i_hv, BETA_ACTIVATED)
-    if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
-        b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
-    b_k_raw = tl.load(k + tok[:, None] * stride_k + i_h * K + o_k[None, :])
-    b_k = b_k_raw.to(tl.float32)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]  # l2normalize, row by row
-    b_q = tl.load(q + tok[:, None] * stride_q + i_h * K + o_k[None, :]).to(tl.float32)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
-    b_Gw = tl.cumsum(tl.where(m_t[:, None], b_gv, 0), 0)  # log-decay of the window up to token t
-    b_e = tl.exp(b_Gc[None, :] + b_Gw)
-    b_ew = tl.exp(b_Gw)
-    p_row = proj + ((bos + o_t) * HV + i_hv) * W  # [TP]
-    m_row = m_t[:, None] & (o_k < K)[None, :]
-    tl.store(p_row[:, None] + o_k[None, :], b_e * b_k, mask=m_row)
-    tl.store(p_row[:, None] + K + o_k[None, :], b_e * b_q, mask=m_row)
-
-    # history coefficients: rows 0..TP-1 of the dot are the keys, TP..2TP-1 the queries
-    o_p = tl.arange(0, NPW)
-    b_x = tl.zeros([NPW, K], dtype=tl.float32)
-    for t in tl.static_range(TP):
-        is_t = o_t[:, None] == t
-        b_x = tl.where(o_p[:, None] == t, tl.sum(tl.where(is_t, b_ew * b_k, 0), 0)[None, :], b_x)
-        b_x = tl.where(o_p[:, None] == TP + t, tl.sum(tl.where(is_t, b_ew * b_q, 0), 0)[None, :], b_x)
-    b_c = tl.dot(b_x, tl.trans(b_kh), input_precision="tf32x3")  # [NPW, LP]
-    tok_p = tl.where(o_p < TP, o_p, o_p - TP)
-    p_c = proj + ((bos + tok_p) * HV + i_hv) * W + 2 * K + tl.where(o_p < TP, 0, L)
-    tl.store(p_c[:, None] + o_l[None, :], b_c, mask=((o_p < 2 * TP) & (tok_p < T))[:, None] & (o_l < L)[None, :])
-
-    # window coefficients [t, j]: (k_j * e^{Gw_t - Gw_j}) . k_t for j < t, . q_t for j <= t (j = t: k_t . q_t)
-    j_le_t = o_t[None, :, None] <= o_t[:, None, None]
-    b_dw = tl.exp(tl.where(j_le_t, b_Gw[:, None, :] - b_Gw[None, :, :], 0))
-    b_kd = b_k[None, :, :] * b_dw  # [t, j, K]
-    b_cwk = tl.sum(b_kd * b_k[:, None, :], 2)
-    b_cwq = tl.sum(b_kd * b_q[:, None, :], 2)
-    j_lt = o_t[None, :] < o_t[:, None]
-    tl.store(p_row[:, None] + 2 * K + 2 * L + o_t[None, :], tl.where(j_lt, b_cwk, 0), mask=m_t[:, None])
-    tl.store(p_row[:, None] + 2 * K + 2 * L + TP + o_t[None, :], tl.where(j_lt | (o_t[None, :] == o_t[:, None]),
-                                                                         b_cwq, 0), mask=m_t[:, None])
-    tl.store(p_row + 2 * K + 2 * L + 2 * TP, b_beta, mask=m_t)
-
-    # the key-side records at ring positions phase * L + count + t
-    pos = rec0 + c + o_t
-    rec = m_t & valid
-    writes_k = rec & (i_hv % (HV // H) == 0)
-    p_k = (pos[:, None] * H + i_h) * K + o_k[None, :]
-    tl.store(r_kn + p_k, b_k, mask=writes_k[:, None])
-    tl.store(r_kraw + p_k, b_k_raw, mask=writes_k[:, None])
-    if IS_KDA:
-        tl.store(r_g + (pos[:, None] * HV + i_hv) * K + o_k[None, :], b_g, mask=rec[:, None])
-    else:
-        tl.store(r_g + pos * HV + i_hv, b_g, mask=rec)
-    tl.store(r_beta + pos * HV + i_hv, b_beta, mask=rec)
-
-
-@triton.jit(do_not_specialize=["T"])
-def replay_window_tokens_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
     r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
     softplus_beta, softplus_threshold, scale, T,
@@ -625,6 +518,22 @@ except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical 
 apart at batch 16)."""
 
 
+ONE_LAUNCH_MAX_TOKENS = 8
+"""A GDN window of at most this many tokens (requests x T) runs in one launch (:func:`replay_step_kernel`), larger
+windows and KDA in two. On the H200 (bench/results/replay/onelaunch_20261203, float32, L = 16, both side by side
+in each of two runs) one launch is faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.6
+against 24.9-25.7 µs) and for a 4-token verify of one request (18.0-18.3 against 20.6-21.1 µs), slower from 32
+tokens on (decode batch 32: 51.5-52.9 against 47.0-47.8 µs; D = 4 batch 8: 44.5-45.0 against 40.4-40.5 µs) — its
+programs carry the window's work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 %
+either way at decode, slower at D = 4): its per-channel gates make every program rebuild the history's decays."""
+
+
+def served_launches(tokens: int, is_kda: bool) -> int:
+    """Launches of a served verify of ``tokens`` tokens in all (requests x T): 1 for a GDN window of
+    at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens, else 2 (window, then output)."""
+    return 1 if not is_kda and tokens <= ONE_LAUNCH_MAX_TOKENS else 2
+
+
 def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
     """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests:
     :data:`NARROW_TILING` or :data:`WIDE_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`,
@@ -646,11 +555,12 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int = WINDOW_WARPS,
-                  dot: bool | None = None, launches: int = 2, window_tokens: bool = False) -> torch.Tensor:
+                  dot: bool | None = None, launches: int | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
-    ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. Two launches
-    (:func:`replay_window_kernel`, then :func:`replay_output_kernel`) and one float32 scratch tensor of
-    ``T_all * HV * (2K + 2L + 2TP + 1)`` floats.
+    ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
+    :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
+    ``T_all * HV * (2K + 2L + 2TP + 1)`` floats; 1: :func:`replay_step_kernel` alone (default:
+    :func:`served_launches`).
 
     ``fused_fold`` (default): requests whose window would overflow the history (``count + T > L``)
     are folded inside the output launch; the caller then settles the cursor with
@@ -696,6 +606,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if dot and BK < 16:
         raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step; "
                          + ("pass dot=False (head_k_dim < 16)" if kdim < 16 else "pass block_k >= 16 or dot=False"))
+    launches = served_launches(t_all, is_kda) if launches is None else launches
     if launches not in (1, 2):
         raise ValueError(f"launches {launches} must be 1 (one launch) or 2 (window, then output)")
     L, TP = ring.history, triton.next_power_of_2(T)
@@ -719,20 +630,12 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         return o
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
-    if window_tokens:
-        replay_window_tokens_kernel[(n * hv,)](
-            A_log, a, dt_bias, q, k, b, proj, state_indices,
-            ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
-            1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
-            H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-            FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
-    else:
-        replay_window_kernel[(n * hv,)](
-            A_log, a, dt_bias, q, k, b, proj, state_indices,
-            ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
-            1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
-            H=hk, HV=hv, K=kdim, L=L, LP=max(L, 16), TP=TP, NPW=max(16, 2 * TP), W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-            ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
+    replay_window_kernel[(n * hv,)](
+        A_log, a, dt_bias, q, k, b, proj, state_indices,
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
+        1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
+        H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
+        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
