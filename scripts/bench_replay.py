@@ -71,7 +71,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
-    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
+    from sglang_ssm_modes.ops.replay.verify import (replay_output_kernel, replay_step_kernel, replay_window_kernel,
+                                                    served_launches)
 
     resources = {} if resources is None else resources
 
@@ -106,6 +107,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
                       groups[r], is_kda=is_kda, round_beta=round_beta, fused_fold=False)
         advance(ring, groups[r], accepted)
+
+    def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
+        launches = variant.get("launches") or served_launches(batch * d, is_kda)
+        return "step" if launches == 1 else "window+output"
 
     mean_hist = (history - d + 1) / 2
     replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
@@ -174,12 +179,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {name}", replay_step_fused(variant), replay_bytes,
-               f"replay_verify[{'step' if variant.get('launches') == 1 else 'window+output'}](fused fold, {variant}, "
+               f"replay_verify[{launch_label(variant)}](fused fold, {variant}, "
                f"round_beta={round_beta})+advance(window={d})",
                replay_per_req) for name, variant in variants),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
-             f"fold_needed+fold_into_checkpoints(masked)+replay_verify[window+output](round_beta={round_beta})+advance",
-             replay_per_req),
+             f"fold_needed+fold_into_checkpoints(masked)+replay_verify[{launch_label({})}](round_beta={round_beta})"
+             "+advance", replay_per_req),
             *((upstream_row,) if d == 1 and upstream is not None else ()),
             *((fla_row,) if d == 1 and fla is not None else ())):
         if impl_ in STATELESS_IMPLS and not stateless:
