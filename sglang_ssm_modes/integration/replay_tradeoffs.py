@@ -15,40 +15,40 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 
-SOURCES = {16: "bench/results/replay/kloop_20261203", 32: "bench/results/replay/kloop_20261203",
-           64: "bench/results/replay/foldfirst_20261203, before the K loop"}
+SOURCES = {16: "bench/results/replay_h200.md, commit 2d81aed", 32: "bench/results/replay_h200.md, commit 2d81aed",
+           64: "bench/results/replay_h200.md, commit 2d81aed"}
 """Where the figures of each history come from."""
 
 DECODE = {
-    ("gdn", 16): ("plain decode 0.50-0.87x native below 64 running requests, 1.11-1.18x from 64 to 256", False),
-    ("kda", 16): ("plain decode 0.50-0.83x native below 64 running requests, 1.00-1.04x from 64 to 256", False),
-    ("gdn", 32): ("plain decode 0.74x native at 32 running requests, 1.09-1.10x at 128-256", False),
-    ("kda", 32): ("plain decode 0.70x native at 32 running requests, 0.83x at 128-256", True),
-    ("gdn", 64): ("plain decode 0.39-0.88x native at 1-256 running requests", True),
-    ("kda", 64): ("plain decode 0.36-0.60x native at 1-256 running requests", True),
+    ("gdn", 16): ("plain decode 0.60-0.86x native below 64 running requests, 1.10-1.19x from 64 to 256", False),
+    ("kda", 16): ("plain decode 0.51-0.84x native below 128 running requests, 1.02-1.04x at 128-256", False),
+    ("gdn", 32): ("plain decode 0.51-0.83x native below 128 running requests, 1.11x at 128-256", False),
+    ("kda", 32): ("plain decode 0.51-0.82x native at 1-256 running requests", True),
+    ("gdn", 64): ("plain decode 0.23-0.88x native at 1-256 running requests", True),
+    ("kda", 64): ("plain decode 0.43-0.58x native at 1-256 running requests", True),
 }
 """Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
-native at every batch measured. Below 64 requests a replay step is three small launches (window, output,
-cursor) against SGLang's one: launch-bound, not byte-bound. At L = 64 the window launch reads up to 64
-history keys per head."""
+native at every batch measured. Below 64 requests a replay step is launch-bound, not byte-bound: SGLang's
+decode is one launch, ours one (a GDN window of at most 8 tokens) or two (window, output), plus the cursor's.
+At L = 64 the window launch reads up to 64 history keys per head."""
 
 VERIFY = {
-    ("gdn", 16): ("a D = 4 speculative round 0.75-1.01x native below 16 requests, 1.25-1.84x from 16 to 256", False),
-    ("kda", 16): ("a D = 4 speculative round 1.00-1.08x native below 16 requests, 1.45-1.73x from 16 to 256", False),
-    ("gdn", 32): ("a D = 4 speculative round 1.12-1.70x native at 32-256 requests", False),
-    ("kda", 32): ("a D = 4 speculative round 1.17-1.54x native at 32-256 requests", False),
-    ("gdn", 64): ("a D = 4 speculative round 0.69-0.98x native below 32 requests, 1.06-1.18x from 32", False),
-    ("kda", 64): ("a D = 4 speculative round 0.75-0.95x native at 1-256 requests", True),
+    ("gdn", 16): ("a D = 4 speculative round 0.90-0.98x native below 32 requests, 1.45-1.87x from 32 to 256", False),
+    ("kda", 16): ("a D = 4 speculative round 0.98x native at 1 request, 1.68-1.74x from 32 to 256", False),
+    ("gdn", 32): ("a D = 4 speculative round 0.59-0.84x native below 32 requests, 1.10-1.74x from 32 to 256", False),
+    ("kda", 32): ("a D = 4 speculative round 0.95x native at 1 request, 1.17-1.55x from 32 to 256", False),
+    ("gdn", 64): ("a D = 4 speculative round 0.29-0.87x native below 32 requests, 1.07-1.43x from 32 to 256", False),
+    ("kda", 64): ("a D = 4 speculative round 0.77-0.95x native below 128 requests, 1.09-1.10x at 128-256", False),
 }
 """Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE` (same keys)."""
 
-LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at every batch measured "
-                 "(GDN with a bfloat16 state, L = 16: plain decode 0.35-0.64x, a D = 4 round 0.69-0.82x; "
-                 "bench/results/replay_h200.md; KDA and float16 not measured): native's 2-byte state moves half "
-                 "the bytes of a float32 one, replay's history reads do not shrink. What replay gives there is a "
-                 "checkpoint rounded once per fold (bench/results/replay/drift_20261203: a third to a half of "
-                 "native's drift over 10 000 tokens). For speed pass --mamba-ssm-dtype float32; for memory, "
-                 "--ssm-state-mode compact")
+LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at most batches measured "
+                 "(GDN with a bfloat16 state, L = 16: plain decode 0.49-0.85x at every batch, a D = 4 round "
+                 "0.75-0.99x below 64 requests and 1.22-1.34x from 64; bench/results/replay_h200.md; KDA and "
+                 "float16 not measured): native's 2-byte state moves half the bytes of a float32 one, replay's "
+                 "history reads do not shrink. What replay gives there is a checkpoint rounded once per fold "
+                 "(bench/results/replay/drift_20261203: a third to a half of native's drift over 10 000 tokens). "
+                 "For speed pass --mamba-ssm-dtype float32; for memory, --ssm-state-mode compact")
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
