@@ -63,8 +63,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, WINDOW_WARPS, replay_output_kernel,
-                                                    replay_window_kernel)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, WINDOW_HEADS, WINDOW_WARPS,
+                                                    replay_output_kernel, replay_window_kernel)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -74,7 +74,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
                 r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
         replay_window_kernel, dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
-        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
+        dict(shared, HPP=WINDOW_HEADS, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     output = _ptxas_resources(

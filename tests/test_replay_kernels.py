@@ -158,7 +158,8 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
-    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches``
+    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``window_heads`` / ``dot`` /
+    ``launches``
     (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
@@ -174,6 +175,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
+                    *([dict(block_v=16, num_warps=1, window_heads=2, **two)] if hv == 2 * hk else []),  # GQA pairs
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
@@ -210,6 +212,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="at least 16 rows"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=8, dot=True)
+    with pytest.raises(ValueError, match="window_heads 3 must divide"):
+        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_heads=3)
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
