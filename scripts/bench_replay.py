@@ -221,8 +221,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["dot"] = opt == "dot"
             elif opt[:1] == "w" and opt[1:] in ("1", "2", "4", "8"):
                 kw["window_warps"] = int(opt[1:])
-            elif opt[:1] == "h" and opt[1:] in ("1", "2", "4"):
-                kw["window_heads"] = int(opt[1:])
             elif opt in ("one", "two"):
                 kw["launches"] = 1 if opt == "one" else 2
             elif opt in ("inorder", "foldfirst"):
@@ -233,8 +231,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["num_stages"] = int(opt[1:])
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :hN (window_heads: 1, 2, 4), :fma, :dot, :inorder, :foldfirst, "
-                             ":one (one launch), :two (window, then output)")
+                             ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
+                             ":two (window, then output)")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -324,12 +322,11 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:hN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
-                        "num_warps), optionally the window launch's warps (:w2) and value heads per program (:h2, "
-                        "GDN), the checkpoint rows per step of the output launch's K loop (:k64) and its pipeline "
-                        "depth (:s3), the S0 projections on CUDA "
+                        "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
+                        "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
@@ -355,11 +352,6 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"each history must be one of 8, 16, 32, 64 and >= every draft-token count; bad (L, D): {bad}")
     variants = parse_variants(p, args.variants)
-    bad = [(name, f) for name, kw in variants for f in args.families
-           if (FAMILIES[f]["hv"] // FAMILIES[f]["hk"]) % kw.get("window_heads", 1)]
-    if bad:
-        p.error(f"--variants: window_heads must divide a family's value heads per key head; bad (variant, family): "
-                f"{bad} (run such variants with --families gdn)")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm

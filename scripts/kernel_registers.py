@@ -58,13 +58,13 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
                             draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
-    (its default warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
+    (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
     (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, WINDOW_HEADS, WINDOW_WARPS,
-                                                    replay_output_kernel, replay_window_kernel)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_window_kernel,
+                                                    served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -74,7 +74,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
                 r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
         replay_window_kernel, dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
-        dict(shared, HPP=WINDOW_HEADS, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), WINDOW_WARPS)
+        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     output = _ptxas_resources(

@@ -158,8 +158,7 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
-    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``window_heads`` / ``dot`` /
-    ``launches``
+    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches``
     (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
@@ -170,12 +169,11 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     results = []
     two = dict(launches=2)
     for variant in (dict(block_v=16, num_warps=1, **two), dict(block_v=32, num_warps=4, window_warps=1, **two),
-                    dict(block_v=8, num_warps=1, dot=False, **two),
+                    dict(block_v=8, num_warps=1, dot=False, window_warps=4, **two),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False, **two),
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
-                    *([dict(block_v=16, num_warps=1, window_heads=2, **two)] if hv == 2 * hk else []),  # GQA pairs
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
@@ -212,9 +210,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="at least 16 rows"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=8, dot=True)
-    with pytest.raises(ValueError, match="window_heads 3 must divide"):
+    with pytest.raises(ValueError, match="window_warps 3"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
-                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_heads=3)
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
@@ -325,12 +323,14 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-@pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (64, 4, "served"), (16, 1, "wide"),
-                                        (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"), (16, 4, "wide:one")])
+@pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 4, "served"), (64, 4, "served"),
+                                        (16, 1, "wide"), (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"),
+                                        (16, 4, "wide:one")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
-    within 1e-5 (float32) or bf16 rounding (bfloat16) of it. ``wide``: the tiling served from 64 requests
+    within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
+    1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 64 requests
     (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}

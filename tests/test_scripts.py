@@ -74,8 +74,7 @@ import bench_replay  # noqa: E402
 @pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
                                  ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
                                  ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
-                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
-                                 ["--variants", "served:h3"], ["--variants", "served:h2"]])  # h2: KDA has no pairs
+                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"]])
 def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
     monkeypatch.setattr(bench_replay.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as exc:
@@ -89,9 +88,8 @@ def test_bench_replay_variants_name_the_launch_options():
         ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
         ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)), ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
         ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
-    assert bench_replay.parse_variants(p, ["served:one", "16x1:two", "served:h2:w1"]) == [
-        ("served:one", dict(launches=1)), ("16x1:two", dict(block_v=16, num_warps=1, launches=2)),
-        ("served:h2:w1", dict(window_heads=2, window_warps=1))]
+    assert bench_replay.parse_variants(p, ["served:one", "16x1:two"]) == [
+        ("served:one", dict(launches=1)), ("16x1:two", dict(block_v=16, num_warps=1, launches=2))]
     assert bench_replay.parse_variants(p, ["served", "served:inorder", "16x1:k128:s2", "64x1:k32:s4:w2"]) == [
         ("served", {}), ("served:inorder", dict(fold_first=False)),
         ("16x1:k128:s2", dict(block_v=16, num_warps=1, block_k=128, num_stages=2)),

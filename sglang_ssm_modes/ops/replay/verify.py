@@ -69,12 +69,10 @@ def replay_window_kernel(
     softplus_beta, softplus_threshold, scale, T,
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
-    HPP: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr,
+    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
 ):
-    """Grid ``(N * HV / HPP,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
-    ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), ``HPP`` value heads of one key head per
-    program (``HPP`` divides ``HV / H``: the history's keys are read once for them). Writes one row of ``proj``
+    """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
+    ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
@@ -82,51 +80,50 @@ def replay_window_kernel(
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
     power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
     i_nh = tl.program_id(0)
-    i_n, i_hv0 = i_nh // (HV // HPP), (i_nh % (HV // HPP)) * HPP
-    i_h = i_hv0 // (HV // H)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
     bos = i_n * T
     o_k = tl.arange(0, K)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
+    mask_k = o_k < K
+    p_A_log = A_log + i_hv
+    if IS_KDA:
+        p_dt_bias = dt_bias + i_hv * K + o_k
+        p_a0 = a + bos * stride_a + i_hv * K + o_k
+    else:
+        p_dt_bias = dt_bias + i_hv
+        p_a0 = a + bos * stride_a + i_hv
+    p_b0 = b + bos * stride_b + i_hv
     _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
+
+    # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
     p_rec = rec0 + o_l
-    b_kn = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
-    for gi in tl.static_range(HPP):
-        i_hv = i_hv0 + gi
-        p_A_log = A_log + i_hv
-        if IS_KDA:
-            p_dt_bias = dt_bias + i_hv * K + o_k
-            p_a0 = a + bos * stride_a + i_hv * K + o_k
-        else:
-            p_dt_bias = dt_bias + i_hv
-            p_a0 = a + bos * stride_a + i_hv
-        p_b0 = b + bos * stride_b + i_hv
+    if IS_KDA:
+        b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
+        b_Gc = tl.sum(b_gh, 0)
+        b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
+    else:
+        b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
+        b_gsum = tl.sum(b_gh, 0)
+        b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
+        b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
+    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
+    b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
 
-        # the history's keys, decayed to the end of the history, and its total log-decay Gc
-        if IS_KDA:
-            b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
-            b_Gc = tl.sum(b_gh, 0)
-            b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
-        else:
-            b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
-            b_gsum = tl.sum(b_gh, 0)
-            b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
-            b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
-        b_kh = tl.where(m_l[:, None], b_kn * b_dec, 0)
-
-        b_Gt = b_Gc
-        b_Gw = tl.zeros([K], dtype=tl.float32)  # log-decay of the window so far
-        b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
-        b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
-        writes_k = i_hv % (HV // H) == 0
-        for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
-            b_Gt, b_Gw, b_kw, b_Gws = window_token(
-                t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
-                r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
-                stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-                ROUND_BETA)
+    b_Gt = b_Gc
+    b_Gw = tl.zeros([K], dtype=tl.float32)  # log-decay of the window so far
+    b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
+    b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
+    writes_k = i_hv % (HV // H) == 0
+    for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
+        b_Gt, b_Gw, b_kw, b_Gws = window_token(
+            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
+            r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
+            stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
+            ROUND_BETA)
 
 
 @triton.jit
@@ -494,12 +491,23 @@ def output_token(t, live, s0k, s0q, b_chk, b_chq, b_cwk, b_cwq, b_kq, b_beta, b_
     tl.store(r_vraw + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v & live & valid)
     return tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
 
-WINDOW_WARPS = 4
-"""Warps of a window program (one request and value head: ``[L, K]`` and ``[TP, K]`` blocks): beside 2
-and 8, the fastest at L = 64 (2: up to 40 % slower) and within 4 % of 2 at L = 16
-(bench/results/replay/split_20261203/run3_a595fe2)."""
-WINDOW_HEADS = 1
-"""Value heads per window program (``window_heads``): each its own program."""
+def served_window_warps(history: int, tokens: int) -> int:
+    """Warps of a served window program (one request and value head: the history's ``[L, K]`` key block and
+    the window's ``[TP, K]`` blocks) for a history of ``history`` records and ``tokens`` tokens per request:
+    1 up to L = 16, and at L = 32 for a window of more than one token (every reduction over K inside one
+    warp: no cross-warp round trips in the token chain); 2 at L = 32 for one token; 4 at L = 64 (fewer warps
+    hold the ``[64, K]`` block in too few threads). On the H200 (bench/results/replay/windowwarps_20261204,
+    float32, all three side by side) 1 warp against 4 at L = 16, batch 128: GDN decode 118.0 against 122.1
+    µs, D = 4 251.0 against 279.4; KDA decode 136.6 against 143.0, D = 4 290.6 against 306.6; at L = 32,
+    D = 4, batch 128: GDN 283.1 against 306.6, KDA 313.2 against 345.5; at L = 64 1 warp was up to 1.4x
+    slower (GDN D = 4 batch 128: 497.4 against 365.5)."""
+    if history <= 16:
+        return 1
+    if history <= 32:
+        return 1 if tokens > 1 else 2
+    return 4
+
+
 FOLD_FIRST_MIN_REQUESTS = 32
 """From this many requests on, the output launch runs in fold-first order (:func:`fold_order_kernel`). On the
 H200 (bench/results/replay/foldfirst_20261203) the order launch costs 2-3 µs: below batch 8 that is all it
@@ -559,9 +567,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                  block_k: int | None = None, num_stages: int | None = None, window_warps: int = WINDOW_WARPS,
-                  window_heads: int = WINDOW_HEADS, dot: bool | None = None,
-                  launches: int | None = None) -> torch.Tensor:
+                  block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
+                  dot: bool | None = None, launches: int | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -578,8 +585,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
     per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
-    choice for the launch's requests), ``window_warps`` and ``window_heads`` (value heads of one key head per
-    program, dividing ``HV / H``) tile the window launch; ``dot`` projects the
+    choice for the launch's requests), ``window_warps`` tiles the window launch (default:
+    :func:`served_window_warps`); ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. Checkpoints and every record but ``u`` are the same bits for every choice; outputs and
     ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
@@ -614,11 +621,12 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step; "
                          + ("pass dot=False (head_k_dim < 16)" if kdim < 16 else "pass block_k >= 16 or dot=False"))
     launches = served_launches(t_all, is_kda) if launches is None else launches
-    if window_heads < 1 or (hv // hk) % window_heads:
-        raise ValueError(f"window_heads {window_heads} must divide the {hv // hk} value heads per key head")
     if launches not in (1, 2):
         raise ValueError(f"launches {launches} must be 1 (one launch) or 2 (window, then output)")
     L, TP = ring.history, triton.next_power_of_2(T)
+    window_warps = served_window_warps(L, T) if window_warps is None else window_warps
+    if window_warps not in (1, 2, 4, 8):
+        raise ValueError(f"window_warps {window_warps} must be 1, 2, 4 or 8")
     scale = kdim ** -0.5 if scale is None else scale
     fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
     order = None
@@ -639,12 +647,12 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         return o
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
-    replay_window_kernel[(n * hv // window_heads,)](
+    replay_window_kernel[(n * hv,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
         ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
         1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
-        H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, HPP=window_heads, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-        ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
+        H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
+        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
