@@ -109,7 +109,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         advance(ring, groups[r], accepted)
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
-        launches = variant.get("launches") or served_launches(batch * d, is_kda)
+        launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
         return "step" if launches == 1 else "window+output"
 
     mean_hist = (history - d + 1) / 2

@@ -15,7 +15,7 @@ from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_ne
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
                                                 WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
-                                                replay_step_kernel, replay_window_kernel)
+                                                replay_step_kernel, replay_window_kernel, served_launches)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -309,6 +309,14 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
         after = [_compiled_variants(j) for j in kernels]
         assert tuple(a - b for a, b in zip(after, before)) == (1, 3, 1), (d, before, after)
     assert _compiled_variants(fold_order_kernel) - order_before in (0, 1)
+
+
+def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
+    """The served launch count (``served_launches``): one launch up to 8 tokens in all and L = 16 for GDN,
+    two past either bound and always for KDA."""
+    assert [served_launches(t, False, 16) for t in (1, 8, 9)] == [1, 1, 2]
+    assert [served_launches(1, False, L) for L in (8, 16, 32, 64)] == [1, 1, 2, 2]
+    assert [served_launches(1, True, L) for L in (8, 16)] == [2, 2]
 
 
 def test_window_larger_than_history_is_refused():

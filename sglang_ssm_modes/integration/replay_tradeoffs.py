@@ -15,40 +15,44 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 
-SOURCES = {16: "bench/results/replay_h200.md, commit 2d81aed", 32: "bench/results/replay_h200.md, commit 2d81aed",
-           64: "bench/results/replay_h200.md, commit 2d81aed"}
+SOURCES = {L: "bench/results/replay_h200.md, commit 34d5527" for L in (16, 32, 64)}
 """Where the figures of each history come from."""
 
 DECODE = {
-    ("gdn", 16): ("plain decode 0.60-0.86x native below 64 running requests, 1.10-1.19x from 64 to 256", False),
-    ("kda", 16): ("plain decode 0.51-0.84x native below 128 running requests, 1.02-1.04x at 128-256", False),
-    ("gdn", 32): ("plain decode 0.51-0.83x native below 128 running requests, 1.11x at 128-256", False),
-    ("kda", 32): ("plain decode 0.51-0.82x native at 1-256 running requests", True),
-    ("gdn", 64): ("plain decode 0.23-0.88x native at 1-256 running requests", True),
-    ("kda", 64): ("plain decode 0.43-0.58x native at 1-256 running requests", True),
+    ("gdn", 16): ("plain decode 0.60-0.89x native below 64 running requests, 1.17-1.25x from 64 to 256", False),
+    ("kda", 16): ("plain decode 0.41-0.85x native below 64 running requests, 1.01-1.10x from 64 to 256", False),
+    ("gdn", 32): ("plain decode 0.79-0.83x native at 32-64 running requests, 1.10-1.12x at 128-256 (fewer than 32 "
+                  "not measured as served)", False),
+    ("kda", 32): ("plain decode 0.44-0.85x native at 1-256 running requests", True),
+    ("gdn", 64): ("plain decode 0.52-0.85x native at 32-256 running requests (fewer not measured as served)", True),
+    ("kda", 64): ("plain decode 0.42-0.59x native at 1-256 running requests", True),
 }
 """Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
 native at every batch measured. Below 64 requests a replay step is launch-bound, not byte-bound: SGLang's
-decode is one launch, ours one (a GDN window of at most 8 tokens) or two (window, output), plus the cursor's.
-At L = 64 the window launch reads up to 64 history keys per head."""
+decode is one launch, ours one (a GDN window of at most 8 tokens over at most 16 records) or two (window,
+output), plus the cursor's. At L = 64 the window launch reads up to 64 history keys per head. The GDN rows
+of fewer than 32 requests at L = 32 and 64 were measured in one launch, served in two since."""
 
 VERIFY = {
-    ("gdn", 16): ("a D = 4 speculative round 0.90-0.98x native below 32 requests, 1.45-1.87x from 32 to 256", False),
-    ("kda", 16): ("a D = 4 speculative round 0.98x native at 1 request, 1.68-1.74x from 32 to 256", False),
-    ("gdn", 32): ("a D = 4 speculative round 0.59-0.84x native below 32 requests, 1.10-1.74x from 32 to 256", False),
-    ("kda", 32): ("a D = 4 speculative round 0.95x native at 1 request, 1.17-1.55x from 32 to 256", False),
-    ("gdn", 64): ("a D = 4 speculative round 0.29-0.87x native below 32 requests, 1.07-1.43x from 32 to 256", False),
-    ("kda", 64): ("a D = 4 speculative round 0.77-0.95x native below 128 requests, 1.09-1.10x at 128-256", False),
+    ("gdn", 16): ("a D = 4 speculative round 0.92-0.99x native below 32 requests, 1.63-2.05x from 32 to 256", False),
+    ("kda", 16): ("a D = 4 speculative round 0.99-1.04x native below 32 requests, 1.71-1.82x from 32 to 256", False),
+    ("gdn", 32): ("a D = 4 speculative round 0.83x native at 8 requests, 1.20-1.85x from 32 to 256 (1 request not "
+                  "measured as served)", False),
+    ("kda", 32): ("a D = 4 speculative round 0.78-0.84x native below 32 requests, 1.18-1.73x from 32 to 256", False),
+    ("gdn", 64): ("a D = 4 speculative round 0.89x native at 8 requests, 1.09-1.40x from 32 to 256 (1 request not "
+                  "measured as served)", False),
+    ("kda", 64): ("a D = 4 speculative round 0.81-0.95x native below 128 requests, 1.08-1.09x at 128-256", False),
 }
 """Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE` (same keys)."""
 
 LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at most batches measured "
-                 "(GDN with a bfloat16 state, L = 16: plain decode 0.49-0.85x at every batch, a D = 4 round "
-                 "0.75-0.99x below 64 requests and 1.22-1.34x from 64; bench/results/replay_h200.md; KDA and "
-                 "float16 not measured): native's 2-byte state moves half the bytes of a float32 one, replay's "
-                 "history reads do not shrink. What replay gives there is a checkpoint rounded once per fold "
-                 "(bench/results/replay/drift_20261203: a third to a half of native's drift over 10 000 tokens). "
-                 "For speed pass --mamba-ssm-dtype float32; for memory, --ssm-state-mode compact")
+                 "(L = 16, a bfloat16 state: plain decode 0.48-0.89x (GDN) and 0.26-0.74x (KDA) at every batch, a "
+                 "D = 4 round 0.75-0.80x (GDN) and 0.62x (KDA) below 32 requests, 1.14-1.50x and 1.06-1.33x from "
+                 "32; bench/results/replay_h200.md; float16 not measured): native's 2-byte state moves half the "
+                 "bytes of a float32 one, replay's history reads do not shrink. What replay gives there is a "
+                 "checkpoint rounded once per fold (bench/results/replay/drift_20261203: a third to a half of "
+                 "native's drift over 10 000 tokens). For speed pass --mamba-ssm-dtype float32; for memory, "
+                 "--ssm-state-mode compact")
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,

@@ -24,7 +24,8 @@ Two launches split the work by the axis it runs over (a small GDN window runs in
 
 :func:`replay_step_kernel` does both in one launch, every output program computing the window's K-side work
 for itself tile by tile: no launch gap and no scratch, but the history's keys read once per column tile and
-programs twice the registers — served where launches, not bytes, bound the time (:data:`ONE_LAUNCH_MAX_TOKENS`).
+programs twice the registers — served where launches, not bytes, bound the time and the history is short
+(:data:`ONE_LAUNCH_MAX_TOKENS`, :data:`ONE_LAUNCH_MAX_HISTORY`).
 
 In two launches the checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
@@ -532,19 +533,27 @@ apart at batch 16)."""
 
 
 ONE_LAUNCH_MAX_TOKENS = 8
-"""A GDN window of at most this many tokens (requests x T) runs in one launch (:func:`replay_step_kernel`), larger
-windows and KDA in two. On the H200 (bench/results/replay/onelaunch_20261203, float32, L = 16, both side by side
-in each of two runs) one launch is faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.6
-against 24.9-25.7 µs) and for a 4-token verify of one request (18.0-18.3 against 20.6-21.1 µs), slower from 32
-tokens on (decode batch 32: 51.5-52.9 against 47.0-47.8 µs; D = 4 batch 8: 44.5-45.0 against 40.4-40.5 µs) — its
-programs carry the window's work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 %
-either way at decode, slower at D = 4): its per-channel gates make every program rebuild the history's decays."""
+"""A GDN window of at most this many tokens (requests x T) over a history of at most :data:`ONE_LAUNCH_MAX_HISTORY`
+records runs in one launch (:func:`replay_step_kernel`), larger windows and KDA in two. On the H200
+(bench/results/replay/onelaunch_20261203, float32, L = 16, both side by side in each of two runs) one launch is
+faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.6 against 24.9-25.7 µs) and for a
+4-token verify of one request (18.0-18.3 against 20.6-21.1 µs), slower from 32 tokens on (decode batch 32:
+51.5-52.9 against 47.0-47.8 µs; D = 4 batch 8: 44.5-45.0 against 40.4-40.5 µs) — its programs carry the window's
+work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 % either way at decode, slower at
+D = 4): its per-channel gates make every program rebuild the history's decays."""
+ONE_LAUNCH_MAX_HISTORY = 16
+"""The longest history a one-launch window is served for. Beyond L = 16 the one-launch programs spill
+(ptxas: 10-158 bytes at L = 32, 296-494 at L = 64; none at L = 16 decode) and at L = 64 ran slower than two
+launches of the heavier KDA window (bench/results/replay_h200.md, commit 34d5527: GDN decode batch 8 55.3 µs
+in one launch, KDA 29.6 in two; a 4-token verify of one request 50.8 against 30.1). L = 32 one against two
+was not measured side by side; it takes the two launches measured everywhere else."""
 
 
-def served_launches(tokens: int, is_kda: bool) -> int:
-    """Launches of a served verify of ``tokens`` tokens in all (requests x T): 1 for a GDN window of
-    at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens, else 2 (window, then output)."""
-    return 1 if not is_kda and tokens <= ONE_LAUNCH_MAX_TOKENS else 2
+def served_launches(tokens: int, is_kda: bool, history: int) -> int:
+    """Launches of a served verify of ``tokens`` tokens in all (requests x T) over a history of ``history``
+    records: 1 for a GDN window of at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens and a history of at most
+    :data:`ONE_LAUNCH_MAX_HISTORY`, else 2 (window, then output)."""
+    return 1 if not is_kda and tokens <= ONE_LAUNCH_MAX_TOKENS and history <= ONE_LAUNCH_MAX_HISTORY else 2
 
 
 def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
@@ -620,7 +629,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if dot and BK < 16:
         raise ValueError(f"block_k {BK}: the tensor-core projections need at least 16 rows per loop step; "
                          + ("pass dot=False (head_k_dim < 16)" if kdim < 16 else "pass block_k >= 16 or dot=False"))
-    launches = served_launches(t_all, is_kda) if launches is None else launches
+    launches = served_launches(t_all, is_kda, ring.history) if launches is None else launches
     if launches not in (1, 2):
         raise ValueError(f"launches {launches} must be 1 (one launch) or 2 (window, then output)")
     L, TP = ring.history, triton.next_power_of_2(T)
