@@ -24,9 +24,10 @@ Requests, identical for every server:
 * with ``--gsm8k N``: ``scripts/gsm8k_eval.py`` against the server, N questions (answers compared with
   native's).
 
-Parity per configuration against the native server of the same model and speculation: the largest
-teacher-forced log-probability difference, and greedy agreement: tokens identical up to the first
-divergence, which must sit at a near-tie of native's (top-2 gap < ``--tie-gap``) — anything else is
+Parity per configuration against the native server of the same model, speculation, dtypes and parallel
+layout (``-tp2`` / ``-dp2`` / ``-dpattn``: two GPUs, refused before anything starts where fewer are
+visible): the largest teacher-forced log-probability difference, and greedy agreement: tokens identical
+up to the first divergence, which must sit at a near-tie of native's (top-2 gap < ``--tie-gap``) — anything else is
 reported as a bug. Writes ``OUT/e2e_h200.json`` (``rows``: one per configuration and concurrency, the
 fields of ``bench/results/e2e_h200.json``; ``configs``: everything measured per server) and
 ``OUT/e2e_h200.md``; server logs under ``OUT/logs``. ``scripts/e2e_report.py`` merges runs into the
@@ -76,11 +77,16 @@ MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["-
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
             "fp32": ["--dtype", "float32"],
             "hicache": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"],
-            "metrics": ["--enable-metrics"]}
+            "metrics": ["--enable-metrics"], "tp2": ["--tp-size", "2"], "dp2": ["--dp-size", "2"],
+            "dpattn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]}
 """``hicache``: SGLang 0.5.14's host mamba pool takes only the ``page_first_direct`` layout (its default,
 ``page_first``, is refused at startup in every mode). ``fp32`` runs the whole model in float32: with bfloat16
 activations a float32-rounding difference in one
-layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there."""
+layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there.
+``tp2`` / ``dp2`` / ``dpattn``: two GPUs (:data:`PARALLEL_GPUS`), judged against the native server of the same
+layout (a TP all-reduce sums in another order than one GPU)."""
+PARALLEL_GPUS = {"tp2": 2, "dp2": 2, "dpattn": 2}
+"""GPUs a parallel variant's server needs."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
 FAMILY = {"qwen3-next": "gdn", "kimi-linear": "kda", "qwen3.5": "gdn"}
 POOL_LINE = re.compile(r"sglang-ssm-modes: mamba pool allocated: mode=(\w+) slots=(\d+) bytes=(\d+)")
@@ -93,7 +99,8 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",), ("metrics",)):
+                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",), ("metrics",),
+                                    ("tp2",), ("dp2",), ("dpattn",)):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out
@@ -114,6 +121,11 @@ def server_argv(cfg: dict, model_dir: Path, port: int) -> list[str]:
     if cfg["history"]:
         argv += ["--ssm-replay-history", str(cfg["history"])]
     return argv
+
+
+def _gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count()
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -332,8 +344,15 @@ def ssm_metrics(text: str) -> dict[str, float]:
 
 
 def reference_key(cfg: dict) -> tuple:
-    """Which native server a configuration is judged against: same model, speculation and dtypes."""
-    return cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"]
+    """Which native server a configuration is judged against: same model, speculation, dtypes and parallel
+    layout."""
+    return (cfg["model"], cfg["spec"], "bf16" in cfg["variants"], "fp32" in cfg["variants"],
+            tuple(v for v in cfg["variants"] if v in PARALLEL_GPUS))
+
+
+def gpus_needed(cfg: dict) -> int:
+    """GPUs a configuration's server needs."""
+    return max([1] + [PARALLEL_GPUS[v] for v in cfg["variants"] if v in PARALLEL_GPUS])
 
 
 def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[int]] | None) -> dict:
@@ -415,6 +434,11 @@ def main(argv=None) -> int:
                 "batch) and --speed-tokens must be >= 2 (TPOT needs two tokens)")
     if not 0 <= args.gsm8k <= 1300:
         p.error("--gsm8k takes 0 (off) to 1300 questions")
+    gpus = _gpu_count()
+    short = [c for c in args.configs if gpus_needed(MATRIX[c]) > max(gpus, 1)]  # one GPU: SGLang's own check
+    if short:
+        p.error(f"{short} need {max(gpus_needed(MATRIX[c]) for c in short)} GPUs, this machine has {gpus}: run them "
+                "where two GPUs are visible (the GPU tool's nvidia-h200-x2 kind)")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     # natives first: every other configuration is judged against the native server of its model and spec
     order = sorted(args.configs, key=lambda c: MATRIX[c]["mode"] != "native")

@@ -25,7 +25,8 @@ def fake_servers(monkeypatch, tmp_path):
     variant = {"bf16": "tie", "nograph": "wrong", "noradix": "crash"}
 
     def argv(cfg, model_dir, port):
-        b = variant[cfg["variants"][0]] if cfg["variants"] and cfg["mode"] != "native" else behaviour[cfg["mode"]]
+        b = (variant.get(cfg["variants"][0], behaviour[cfg["mode"]]) if cfg["variants"] and cfg["mode"] != "native"
+             else behaviour[cfg["mode"]])
         return [sys.executable, str(FAKE), str(port), b]
 
     monkeypatch.setattr(e2e_servers, "server_argv", argv)
@@ -96,6 +97,27 @@ def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
     assert (out / "gsm8k" / "kimi-linear-native-ngram" / "gsm8k.json").exists()
     crashed = rows["kimi-linear-replay-L16-ngram-noradix"]
     assert not crashed["started"] and "exited with 3" in crashed["error"]
+
+
+def test_parallel_layouts_are_judged_against_native_of_the_same_layout(fake_servers, monkeypatch):
+    """``tp2`` / ``dp2`` / ``dpattn`` servers (issue 8) pair with the native server of their own layout; where
+    fewer GPUs are visible than a configuration needs, the run stops before starting anything."""
+    out = fake_servers
+    configs = ["qwen3-next-compact-nextn-tp2", "qwen3-next-native-nextn", "qwen3-next-native-nextn-tp2"]
+    base = ["--out", str(out), "--models", str(out / "models"), "--configs", *configs, "--prompts", "2",
+            "--new-tokens", "8", "--port", "31980", "--start-timeout", "60"]
+    monkeypatch.setattr(e2e_servers, "_gpu_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        e2e_servers.main(base)
+    assert exc.value.code == 2 and not (out / "e2e_h200.json").exists()
+    monkeypatch.setattr(e2e_servers, "_gpu_count", lambda: 2)
+    assert e2e_servers.main(base) == 0
+    rows = {r["name"]: r for r in json.loads((out / "e2e_h200.json").read_text())["configs"]}
+    assert e2e_servers.reference_key(rows["qwen3-next-compact-nextn-tp2"]) == e2e_servers.reference_key(
+        rows["qwen3-next-native-nextn-tp2"]) != e2e_servers.reference_key(rows["qwen3-next-native-nextn"])
+    assert rows["qwen3-next-compact-nextn-tp2"]["parity"]["greedy_agreement"] == 1.0
+    assert [e2e_servers.gpus_needed(e2e_servers.MATRIX[f"kimi-linear-replay-L16-ngram{v}"])
+            for v in ("", "-tp2", "-dp2", "-dpattn")] == [1, 2, 2, 2]
 
 
 def test_arguments_are_validated():
