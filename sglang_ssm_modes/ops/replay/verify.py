@@ -63,6 +63,31 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
     return idx, r_safe, valid, c, phase, fold
 
 
+@triton.jit
+def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order,
+                   T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   FBV: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+                   FOLD_FIRST: tl.constexpr):
+    """How a program of either output launch (grid ``(cdiv(V, BV), N * HV)``) starts: its request (the
+    ``order[i]``-th with ``FOLD_FIRST``), value and key head, value columns and cursor, its checkpoint
+    columns folded first (:func:`fold_columns`) when the request's window overflows the history. Returns
+    ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0)``: ``bos`` the request's first token,
+    ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first record."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    if FOLD_FIRST:
+        i_n = tl.load(order + i_n)
+    i_h = i_hv // (HV // H)
+    o_v = i_v * BV + tl.arange(0, BV)
+    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
+    if fold:  # the full history sits in the other half
+        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
+        tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
+    return i_v, i_n * T, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, r * 2 * L + phase.to(tl.int64) * L
+
+
 @triton.jit(do_not_specialize=["T"])
 def replay_window_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
@@ -213,25 +238,12 @@ def replay_output_kernel(
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    if FOLD_FIRST:
-        i_n = tl.load(order + i_n)
-    i_h = i_hv // (HV // H)
-    bos = i_n * T
     o_bk = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    mask_v = o_v < V
-
-    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
-    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
-    rec0 = r * 2 * L + phase.to(tl.int64) * L
-    if fold:  # the full history sits in the other half
-        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
-                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
-        tl.debug_barrier()  # the loop below reads the folded columns other threads stored
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
+        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
@@ -296,26 +308,13 @@ def replay_step_kernel(
     and the history and window coefficients (``[TP, L]``, ``[TP, TP]``); the program of the first column tile
     appends the window's key-side records (normalised and raw k once per key head, g, beta). The history's
     keys are read once per column tile (``V / BV`` times per head) instead of once per head."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    if FOLD_FIRST:
-        i_n = tl.load(order + i_n)
-    i_h = i_hv // (HV // H)
-    bos = i_n * T
-    o_K = tl.arange(0, K)
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
+        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
     o_bk = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_K = tl.arange(0, K)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    mask_v = o_v < V
-
-    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
-    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
-    rec0 = r * 2 * L + phase.to(tl.int64) * L
-    if fold:  # the full history sits in the other half
-        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
-                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
-        tl.debug_barrier()  # the loop below reads the folded columns other threads stored
 
     # per window token: the L2 norms of q and k (over the whole K), beta and (GDN) the gate
     p_A_log = A_log + i_hv
