@@ -491,6 +491,7 @@ def output_token(t, live, s0k, s0q, b_chk, b_chq, b_cwk, b_cwq, b_kq, b_beta, b_
     tl.store(r_vraw + (pos * HV + i_hv) * V + o_v, b_v_raw, mask=mask_v & live & valid)
     return tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
 
+
 def served_window_warps(history: int, tokens: int) -> int:
     """Warps of a served window program (one request and value head: the history's ``[L, K]`` key block and
     the window's ``[TP, K]`` blocks) for a history of ``history`` records and ``tokens`` tokens per request:
