@@ -7,9 +7,10 @@ not across machines).
 
     python scripts/kernel_registers.py [--tilings narrow wide 64x1:k32:s4] [--histories 16 64]
         [--families gdn kda] [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
+        [--one-launch]
 
 Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
-window kernel and of the output kernel).
+window kernel, of the output kernel and, with ``--one-launch``, of the one-launch kernel at that tiling).
 """
 
 from __future__ import annotations
@@ -55,16 +56,17 @@ def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int, num_s
 
 
 def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, tiling: tuple,
-                            draft_tokens: int = 4) -> dict[str, tuple[int, int]]:
+                            draft_tokens: int = 4, one_launch: bool = False) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
     (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
-    as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on)."""
+    as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on);
+    with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_window_kernel,
-                                                    served_window_warps)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
+                                                    replay_window_kernel, served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -77,11 +79,16 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda), served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
-    output = _ptxas_resources(
-        replay_output_kernel, dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32"),
-        dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
-             NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold), num_warps, num_stages)
-    return {"window": window, "output": output}
+    pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
+    tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
+                NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold)
+    out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
+    if one_launch:
+        step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)
+        out["one launch"] = _ptxas_resources(
+            replay_step_kernel, dict(pointers, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
+            {n: c for n, c in step.items() if n in replay_step_kernel.arg_names}, num_warps, num_stages)
+    return out
 
 
 def parse_output_tilings(parser, values: list[str]) -> list[tuple[str, tuple]]:
@@ -119,17 +126,20 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=list(STATE))
     p.add_argument("--fold", nargs="+", default=["fused"], choices=["fused", "separate"])
     p.add_argument("--draft-tokens", type=int, default=4, help="window length D (1 = plain decode)")
+    p.add_argument("--one-launch", action="store_true",
+                   help="also the one-launch kernel (ops.replay.verify.replay_step_kernel) at each tiling")
     args = p.parse_args(argv)
     tilings = parse_output_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
-    print("| family | state | L | fold | output tiling | window kernel regs / spills | output kernel regs / spills |\n"
-          "|---|---|---|---|---|---|---|")
+    kernels = ["window", "output"] + ["one-launch"] * args.one_launch
+    print("| family | state | L | fold | output tiling | " + " | ".join(f"{k} kernel regs / spills" for k in kernels)
+          + " |\n|---|---|---|---|---|" + "---|" * len(kernels))
     for fam, dt, L, fold, (name, tiling) in itertools.product(args.families, args.state_dtypes, args.histories,
                                                               args.fold, tilings):
-        res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens)
+        res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
               flush=True)
     return 0

@@ -197,6 +197,11 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
         for cell in row[6:8]:
             regs, spills = (int(x) for x in cell.split("/"))
             assert 16 <= regs <= 255 and spills >= 0
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "16x1", "--draft-tokens", "1",
+                "--one-launch", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header, _, row = proc.stdout.strip().splitlines()[-3:]
+    assert "one-launch kernel regs / spills" in header and len(row.split("|")) == 10
 
 
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],

@@ -78,14 +78,16 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     if FOLD_FIRST:
         i_n = tl.load(order + i_n)
     i_h = i_hv // (HV // H)
+    bos = i_n * T
     o_v = i_v * BV + tl.arange(0, BV)
     idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
+    rec0 = r * 2 * L + phase.to(tl.int64) * L
     if fold:  # the full history sits in the other half
         fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
                      i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
         tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
-    return i_v, i_n * T, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, r * 2 * L + phase.to(tl.int64) * L
+    return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0
 
 
 @triton.jit(do_not_specialize=["T"])
