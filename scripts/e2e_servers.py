@@ -99,8 +99,7 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), ("nograph",), ("noradix",), ("bf16",), ("fp32",), ("hicache",), ("metrics",),
-                                    ("tp2",), ("dp2",), ("dpattn",)):
+                    for variant in ((), *((v,) for v in VARIANTS)):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out
