@@ -545,10 +545,11 @@ work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 % e
 D = 4): its per-channel gates make every program rebuild the history's decays."""
 ONE_LAUNCH_MAX_HISTORY = 16
 """The longest history a one-launch window is served for. Beyond L = 16 the one-launch programs spill
-(ptxas: 10-158 bytes at L = 32, 296-494 at L = 64; none at L = 16 decode) and at L = 64 ran slower than two
-launches of the heavier KDA window (bench/results/replay_h200.md, commit 34d5527: GDN decode batch 8 55.3 µs
-in one launch, KDA 29.6 in two; a 4-token verify of one request 50.8 against 30.1). L = 32 one against two
-was not measured side by side; it takes the two launches measured everywhere else."""
+(ptxas: 10-158 bytes at L = 32, 296-494 at L = 64; none at L = 16 decode). No side-by-side measurement of one
+against two launches beyond L = 16 exists yet; the bound rests on the spills and on two separate runs of commit
+34d5527 (bench/results/replay_h200.md): at L = 64, GDN decode batch 8 took 55.3 µs in one launch, and the
+heavier KDA window 29.6 in two (a 4-token verify of one request: 50.8 against 30.1). Histories past the bound
+take the two launches measured everywhere else."""
 
 
 def served_launches(tokens: int, is_kda: bool, history: int) -> int:
