@@ -71,8 +71,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
-    from sglang_ssm_modes.ops.replay.verify import (replay_output_kernel, replay_step_kernel, replay_window_kernel,
-                                                    served_launches)
+    from sglang_ssm_modes.ops.replay.verify import (pdl_available, replay_output_kernel, replay_step_kernel,
+                                                    replay_window_kernel, served_launches)
 
     resources = {} if resources is None else resources
 
@@ -110,7 +110,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
-        return "step" if launches == 1 else "window+output"
+        if launches == 1:
+            return "step"
+        return "window+output" + (" pdl" if variant.get("pdl", pdl_available(torch.device("cuda"))) else "")
 
     mean_hist = (history - d + 1) / 2
     replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
@@ -223,6 +225,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["window_warps"] = int(opt[1:])
             elif opt in ("one", "two"):
                 kw["launches"] = 1 if opt == "one" else 2
+            elif opt in ("pdl", "nopdl"):
+                kw["pdl"] = opt == "pdl"
             elif opt in ("inorder", "foldfirst"):
                 kw["fold_first"] = opt == "foldfirst"
             elif opt[:1] == "k" and opt[1:] in ("16", "32", "64", "128"):
@@ -232,7 +236,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
-                             ":two (window, then output)")
+                             ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
+                             "launch or after it)")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -322,7 +327,7 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two][:pdl|:nopdl]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
@@ -330,7 +335,8 @@ def main(argv=None) -> int:
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
-                        "(:two: window, then output). The first listed is "
+                        "(:two: window, then output), the output launch a programmatic dependent of the window "
+                        "launch (:pdl; default on sm90+) or not (:nopdl). The first listed is "
                         "plotted: list the served default first. "
                         "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),

@@ -15,7 +15,8 @@ from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_ne
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
                                                 WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
-                                                replay_step_kernel, replay_window_kernel, served_launches)
+                                                pdl_available, replay_step_kernel, replay_window_kernel,
+                                                served_launches)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -174,6 +175,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
+                    dict(block_v=16, num_warps=1, fold_first=True, **two),  # the window launch's order program
+                    dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # (pdl: the default
+                    dict(block_v=16, num_warps=1, fold_first=False, pdl=False, **two),  # where it can run)
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
@@ -264,9 +268,9 @@ def test_fold_order_puts_folding_requests_first(n):
 
 
 def test_request_count_is_not_a_compile_time_constant():
-    """No kernel takes the request count as a constexpr; the order launch's ``N`` and the window length
-    ``T`` are runtime integers Triton must not specialise."""
-    for jit, runtime in ((replay_window_kernel, {"T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
+    """No kernel takes the request count as a constexpr; the request count ``N`` (the order program's and
+    the window launch's) and the window length ``T`` are runtime integers Triton must not specialise."""
+    for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
                          (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty
@@ -285,10 +289,10 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
     """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
     per served choice and never per count. Per window length the output launch has three — narrow tiling in
     request order, narrow fold-first, wide fold-first (:data:`FOLD_FIRST_MIN_REQUESTS` 32,
-    :data:`WIDE_TILING_MIN_REQUESTS` 64) — the window launch one and the one-launch kernel one (up to
-    :data:`ONE_LAUNCH_MAX_TOKENS` 8 tokens: 8 decode requests, 2 verify), with a head shape no other test uses
-    (earlier compilations cannot hide a recompile); the order launch (no head shape: another test may have
-    compiled it) at most one for both (T and N are runtime integers)."""
+    :data:`WIDE_TILING_MIN_REQUESTS` 64) — the window launch two (request order; fold-first, with the order
+    program) and the one-launch kernel one (up to :data:`ONE_LAUNCH_MAX_TOKENS` 8 tokens: 8 decode requests, 2
+    verify), with a head shape no other test uses (earlier compilations cannot hide a recompile); the separate
+    order launch none (it serves a one-launch verify of 32 requests or more, never a served choice)."""
     n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
     kernels = (replay_window_kernel, replay_output_kernel, replay_step_kernel)
     assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS) == (32, 64, 8)  # hence the counts
@@ -307,16 +311,29 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
             advance(ring, idx[:n], d, window=d)
         torch.cuda.synchronize()
         after = [_compiled_variants(j) for j in kernels]
-        assert tuple(a - b for a, b in zip(after, before)) == (1, 3, 1), (d, before, after)
-    assert _compiled_variants(fold_order_kernel) - order_before in (0, 1)
+        assert tuple(a - b for a, b in zip(after, before)) == (2, 3, 1), (d, before, after)
+    assert _compiled_variants(fold_order_kernel) == order_before
 
 
 def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
-    """The served launch count (``served_launches``): one launch up to 8 tokens in all and L = 16 for GDN,
-    two past either bound and always for KDA."""
+    """The served launch count (``served_launches``): one launch for GDN up to 8 tokens in all and L = 16,
+    and for one token up to L = 32; two past those bounds and always for KDA."""
     assert [served_launches(t, False, 16) for t in (1, 8, 9)] == [1, 1, 2]
-    assert [served_launches(1, False, L) for L in (8, 16, 32, 64)] == [1, 1, 2, 2]
+    assert [served_launches(1, False, L) for L in (8, 16, 32, 64)] == [1, 1, 1, 2]
+    assert [served_launches(t, False, 32) for t in (1, 2, 8)] == [1, 2, 2]
     assert [served_launches(1, True, L) for L in (8, 16)] == [2, 2]
+
+
+def test_programmatic_dependent_launch_is_refused_where_it_cannot_run():
+    """``pdl=True`` off a CUDA device of compute capability 9.0 (here: CPU tensors, also on the GPU machine)
+    is a ValueError naming the fix, raised before any launch; the default there is two plain launches."""
+    ring = ReplayRing.allocate(1, 2, 1, 1, 16, 16, False, torch.bfloat16)
+    x = torch.zeros(1, 1, 1, 16)
+    assert not pdl_available(x.device)
+    with pytest.raises(ValueError, match="compute capability 9.0 or newer.*pdl=False"):
+        replay_verify(torch.zeros(1), torch.zeros(1, 1), torch.zeros(1), x, x, x, torch.zeros(1, 1, 1),
+                      torch.zeros(1, 1, 16, 16), torch.zeros(1, dtype=torch.int32), ring,
+                      torch.zeros(1, dtype=torch.int32), is_kda=False, launches=2, pdl=True)
 
 
 def test_window_larger_than_history_is_refused():

@@ -90,6 +90,8 @@ def test_bench_replay_variants_name_the_launch_options():
         ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
     assert bench_replay.parse_variants(p, ["served:one", "16x1:two"]) == [
         ("served:one", dict(launches=1)), ("16x1:two", dict(block_v=16, num_warps=1, launches=2))]
+    assert bench_replay.parse_variants(p, ["served:nopdl", "served:inorder:pdl"]) == [
+        ("served:nopdl", dict(pdl=False)), ("served:inorder:pdl", dict(fold_first=False, pdl=True))]
     assert bench_replay.parse_variants(p, ["served", "served:inorder", "16x1:k128:s2", "64x1:k32:s4:w2"]) == [
         ("served", {}), ("served:inorder", dict(fold_first=False)),
         ("16x1:k128:s2", dict(block_v=16, num_warps=1, block_k=128, num_stages=2)),

@@ -34,6 +34,8 @@ history's ``[L, K]`` key block beside it in registers. Outputs agree with native
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -90,24 +92,51 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["N", "T"])
 def replay_window_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
-    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices,
-    softplus_beta, softplus_threshold, scale, T,
+    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices, order,
+    softplus_beta, softplus_threshold, scale, N, T,
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+    FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(N * HV,)``: the K-side of a window of T tokens per request (``q, k`` ``[1, N*T, H, K]``,
-    ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``). Writes one row of ``proj``
+    """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
+    ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
+    and value head (:func:`window_program`); with ``FOLD_FIRST`` one more program writes the output launch's
+    fold-first ``order`` (:func:`fold_order_program`) — no launch of its own. ``PDL``: every program first lets
+    the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
+    anything written here)."""
+    i_nh = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if FOLD_FIRST:
+        if i_nh == N * HV:
+            fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
+        else:
+            window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
+                           r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
+                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
+    else:
+        window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
+                       r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
+                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
+
+
+@triton.jit
+def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count, r_phase,
+                   rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_b,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
+                   W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
+                   FUSED_FOLD: tl.constexpr):
+    """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
     and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
     power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
-    i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = i_n * T
@@ -196,7 +225,14 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
 
 @triton.jit(do_not_specialize=["N", "T"])
 def fold_order_kernel(h0_indices, rec_indices, r_count, order, N, T, L: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(1,)``: ``order`` ``[N]`` int32, a permutation of the requests with those whose window would
+    """Grid ``(1,)``: :func:`fold_order_program` as a launch of its own (before a one-launch verify; the
+    two-launch verify runs it inside its window launch)."""
+    fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, BLOCK)
+
+
+@triton.jit
+def fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L: tl.constexpr, BLOCK: tl.constexpr):
+    """``order`` ``[N]`` int32, a permutation of the requests with those whose window would
     overflow their history (``count + T > L``, as :func:`window_cursor` decides a fused fold) first, in
     request order, and the others after them, from the back. The output launch then starts its longest
     programs — those that fold — in its first wave instead of leaving them as its tail. Deterministic
@@ -224,7 +260,7 @@ def replay_output_kernel(
     r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -239,16 +275,25 @@ def replay_output_kernel(
     history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
-    ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (:func:`fold_order_kernel`)."""
+    ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
+
+    ``PDL`` (launched as a programmatic dependent of the window launch): the program starts while the window
+    launch still runs and waits for it (``griddepcontrol.wait``) before the first read of anything that launch
+    writes — ``proj`` and, with ``FOLD_FIRST``, ``order``; without ``FOLD_FIRST`` its cursor, fused fold and
+    history ``u`` (none of them written by the window launch) come before the wait."""
     o_bk = tl.arange(0, BK)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
+    if PDL and FOLD_FIRST:
+        tl.extra.cuda.gdc_wait()
     i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
         h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
         K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
+    if PDL and not FOLD_FIRST:
+        tl.extra.cuda.gdc_wait()
     # the checkpoint's projections: [BV, NP] (DOT; columns ke_0.., qe_0..) or [TP, BV] rows per token
     o_p = tl.arange(0, NP)
     tok = tl.where(o_p < TP, o_p, o_p - TP)
@@ -544,19 +589,35 @@ faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.
 work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 % either way at decode, slower at
 D = 4): its per-channel gates make every program rebuild the history's decays."""
 ONE_LAUNCH_MAX_HISTORY = 16
-"""The longest history a one-launch window is served for. Beyond L = 16 the one-launch programs spill
-(ptxas: 10-158 bytes at L = 32, 296-494 at L = 64; none at L = 16 decode). No side-by-side measurement of one
-against two launches beyond L = 16 exists yet; the bound rests on the spills and on two separate runs of commit
-34d5527 (bench/results/replay_h200.md): at L = 64, GDN decode batch 8 took 55.3 µs in one launch, and the
-heavier KDA window 29.6 in two (a 4-token verify of one request: 50.8 against 30.1). Histories past the bound
-take the two launches measured everywhere else."""
+"""The longest history a one-launch window of up to :data:`ONE_LAUNCH_MAX_TOKENS` tokens is served for; one token
+is served in one launch up to :data:`ONE_TOKEN_MAX_HISTORY`. On the H200 (bench/results/replay/
+onelaunch_bound_20261204, GDN, both side by side in one run, commit b29f6ef; the one-launch programs spill 10-158
+bytes at L = 32 and 296-494 at L = 64): at L = 32 one launch is faster for a decode of one request (float32 10.4
+against 12.3 µs, bfloat16 9.1 against 11.9) and slower for 8 (float32 24.8 against 21.9; bfloat16 21.1 against
+23.1 — a mixed result left to two launches), for a 4-token verify of one request (27.2 against 24.8) and of 8;
+at L = 64 it is slower everywhere (decode batch 1 18.4 against 14.2, batch 8 55.2 against 26.6; D = 4 batch 8
+247.9 against 45.3)."""
+ONE_TOKEN_MAX_HISTORY = 32
+"""The longest history a one-token GDN window (decode of one request) is served for in one launch."""
 
 
 def served_launches(tokens: int, is_kda: bool, history: int) -> int:
     """Launches of a served verify of ``tokens`` tokens in all (requests x T) over a history of ``history``
     records: 1 for a GDN window of at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens and a history of at most
-    :data:`ONE_LAUNCH_MAX_HISTORY`, else 2 (window, then output)."""
-    return 1 if not is_kda and tokens <= ONE_LAUNCH_MAX_TOKENS and history <= ONE_LAUNCH_MAX_HISTORY else 2
+    :data:`ONE_LAUNCH_MAX_HISTORY`, or of one token over at most :data:`ONE_TOKEN_MAX_HISTORY`; else 2
+    (window, then output)."""
+    if is_kda:
+        return 2
+    short = tokens <= ONE_LAUNCH_MAX_TOKENS and history <= ONE_LAUNCH_MAX_HISTORY
+    return 1 if short or (tokens == 1 and history <= ONE_TOKEN_MAX_HISTORY) else 2
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether launches on ``device`` can overlap by programmatic dependent launch (CUDA, compute capability
+    9.0 or newer, not the Triton interpreter)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
@@ -580,7 +641,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
-                  dot: bool | None = None, launches: int | None = None) -> torch.Tensor:
+                  dot: bool | None = None, launches: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -592,7 +653,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     ``advance(ring, record_indices, accepted, window=T)`` — whatever the batch's fold pattern. Otherwise
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
     ``fold_first`` (with ``fused_fold``; default: from :data:`FOLD_FIRST_MIN_REQUESTS` requests on): the
-    output launch runs the folding requests' programs first (:func:`fold_order_kernel`, one more launch).
+    output launch runs the folding requests' programs first (in two launches the window launch's
+    :func:`fold_order_program`; in one, :func:`fold_order_kernel` before it). ``pdl`` (two launches; default:
+    :func:`pdl_available`): the output launch is a programmatic dependent of the window launch and starts
+    while it runs (:func:`replay_output_kernel`).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
@@ -641,13 +705,16 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"window_warps {window_warps} must be 1, 2, 4 or 8")
     scale = kdim ** -0.5 if scale is None else scale
     fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
-    order = None
-    if fold_first:
-        order = torch.empty(n, dtype=torch.int32, device=q.device)
-        fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
+    pdl = pdl_available(q.device) if pdl is None else pdl
+    if pdl and not pdl_available(q.device):
+        raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
+                         "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
+    order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
     if launches == 1:
+        if fold_first:
+            fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
         replay_step_kernel[(triton.cdiv(vdim, BV), n * hv)](
             A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
             ring.u, ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults,
@@ -659,18 +726,18 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         return o
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
-    replay_window_kernel[(n * hv,)](
+    replay_window_kernel[(n * hv + fold_first,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
-        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices,
-        1.0, 20.0, scale, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order,
+        1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, num_warps=window_warps, num_stages=1)
+        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, PDL=pdl, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
         T, v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
-        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first,
-        num_warps=warps, num_stages=stages)
+        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return o
