@@ -71,7 +71,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
-    from sglang_ssm_modes.ops.replay.verify import (pdl_available, replay_output_kernel, replay_step_kernel,
+    from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel, served_launches)
 
     resources = {} if resources is None else resources
@@ -112,7 +112,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
         if launches == 1:
             return "step"
-        return "window+output" + (" pdl" if variant.get("pdl", pdl_available(torch.device("cuda"))) else "")
+        return "window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
 
     mean_hist = (history - d + 1) / 2
     replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
-                        "launch (:pdl; default on sm90+) or not (:nopdl). The first listed is "
+                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL). The first listed is "
                         "plotted: list the served default first. "
                         "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),

@@ -78,13 +78,17 @@ VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": 
             "fp32": ["--dtype", "float32"],
             "hicache": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"],
             "metrics": ["--enable-metrics"], "tp2": ["--tp-size", "2"], "dp2": ["--dp-size", "2"],
-            "dpattn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]}
+            "dpattn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+            "fastverify": ["--ssm-compact-verify", "fast"]}
 """``hicache``: SGLang 0.5.14's host mamba pool takes only the ``page_first_direct`` layout (its default,
 ``page_first``, is refused at startup in every mode). ``fp32`` runs the whole model in float32: with bfloat16
 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there.
 ``tp2`` / ``dp2`` / ``dpattn``: two GPUs (:data:`PARALLEL_GPUS`), judged against the native server of the same
-layout (a TP all-reduce sums in another order than one GPU)."""
+layout (a TP all-reduce sums in another order than one GPU). ``fastverify``: compact's 16-column verify tile
+(compact configurations only; outputs to float32 rounding, so judged like replay's, by near-ties)."""
+MODE_VARIANTS = {"fastverify": ("compact",)}
+"""Variants that exist for some modes only (the plugin refuses them elsewhere)."""
 PARALLEL_GPUS = {"tp2": 2, "dp2": 2, "dpattn": 2}
 """GPUs a parallel variant's server needs."""
 MODEL_SPEC = {"qwen3-next": "nextn", "kimi-linear": "ngram", "qwen3.5": "nextn"}
@@ -99,7 +103,7 @@ def _matrix() -> dict[str, dict]:
             for mode in MODES:
                 histories = (16, 32, 64) if mode == "replay" else (None,)
                 for history in histories:
-                    for variant in ((), *((v,) for v in VARIANTS)):
+                    for variant in ((), *((v,) for v in VARIANTS if mode in MODE_VARIANTS.get(v, MODES))):
                         name = "-".join([model, mode + (f"-L{history}" if history else ""), spec, *variant])
                         out[name] = dict(model=model, mode=mode, history=history, spec=spec, variants=list(variant))
     return out

@@ -17,6 +17,10 @@ MODES = ("native", "compact", "replay")
 REPLAY_HISTORIES = (8, 16, 32, 64)
 """History lengths L the replay kernels are built for (the ring holds 2·L records)."""
 
+COMPACT_VERIFIES = ("exact", "fast")
+"""Compact verify tilings: ``exact`` (native's: outputs bit-identical to native) or ``fast`` (outputs to float32
+rounding, committed state still bit-identical; ``ops.compact.FAST_VERIFY_TILE``)."""
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -26,6 +30,7 @@ DTYPES = {
 
 FLAG_MODE = "--ssm-state-mode"
 FLAG_HISTORY = "--ssm-replay-history"
+FLAG_COMPACT_VERIFY = "--ssm-compact-verify"
 FLAG_DRAFT = "--speculative-num-draft-tokens"
 FLAG_STATE_DTYPE = "--mamba-ssm-dtype"
 FLAG_ACTIVATION_DTYPE = "--dtype"
@@ -68,6 +73,8 @@ class SSMModeConfig:
       token included; 1 means no speculative decoding.
     * ``state_dtype``: dtype of the stored state S (``--mamba-ssm-dtype``).
     * ``activation_dtype``: dtype of the raw k / v recorded by compact and replay (the model dtype).
+    * ``compact_verify``: compact's verify tiling, one of ``COMPACT_VERIFIES``; ``"fast"`` only with
+      ``compact``.
 
     Dtypes may be given as ``torch.dtype`` or by name (``"bfloat16"``); they are stored as
     ``torch.dtype``.
@@ -78,6 +85,7 @@ class SSMModeConfig:
     draft_tokens: int = 1
     state_dtype: torch.dtype = torch.float32
     activation_dtype: torch.dtype = torch.bfloat16
+    compact_verify: str = "exact"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -108,6 +116,16 @@ class SSMModeConfig:
                 f"{FLAG_HISTORY} {length} is smaller than {FLAG_DRAFT} {d}: replay needs L >= D; "
                 + fix
             )
+        if self.compact_verify not in COMPACT_VERIFIES:
+            raise SSMModeConfigError(
+                f"{FLAG_COMPACT_VERIFY} {self.compact_verify!r} is not a compact verify; pass "
+                f"{FLAG_COMPACT_VERIFY} with one of: " + ", ".join(COMPACT_VERIFIES)
+            )
+        if self.compact_verify != "exact" and self.mode != "compact":
+            raise SSMModeConfigError(
+                f"{FLAG_COMPACT_VERIFY} {self.compact_verify} applies to {FLAG_MODE} compact only, not "
+                f"{self.mode}: pass {FLAG_MODE} compact or drop {FLAG_COMPACT_VERIFY}"
+            )
         object.__setattr__(self, "state_dtype", _as_dtype(self.state_dtype, FLAG_STATE_DTYPE, "state"))
         object.__setattr__(
             self,
@@ -119,7 +137,8 @@ class SSMModeConfig:
         """Plain values only (dtypes by name): what travels on SGLang's ``ServerArgs`` and shows in
         its ``/server_info``; ``SSMModeConfig(**d)`` restores the configuration."""
         return {"mode": self.mode, "replay_history": self.replay_history, "draft_tokens": self.draft_tokens,
-                "state_dtype": dtype_name(self.state_dtype), "activation_dtype": dtype_name(self.activation_dtype)}
+                "state_dtype": dtype_name(self.state_dtype), "activation_dtype": dtype_name(self.activation_dtype),
+                "compact_verify": self.compact_verify}
 
     @property
     def ring_records(self) -> int:

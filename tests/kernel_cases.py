@@ -6,6 +6,7 @@ import torch
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
 from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
+from sglang_ssm_modes.ops.replay import replay_verify
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs, random_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,6 +32,13 @@ def flat_inputs(x, family, n, d):
 
 def to_device(d, device):
     return {k: t.to(device) for k, t in d.items()}
+
+
+def call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **options):
+    """``replay_verify`` of the case's inputs ``x`` (``n`` requests, ``d`` tokens each) on ``DEVICE``."""
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", **options)
 
 
 def sglang_native_verify(params, x, pool, state_idx, family, n, d, parents=None):

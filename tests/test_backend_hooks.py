@@ -17,6 +17,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
+from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
 from sglang_ssm_modes.ops.replay import replay_fold
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 from sglang_ssm_modes.reference.random_layer import random_gate_params
@@ -35,8 +36,8 @@ def heads(family):
 
 
 def make_pool(mode: str, draft: int, monkeypatch, family: str = "gdn", topk: int = 1,
-              history: int = 8) -> HybridReqToTokenPool:
-    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=history)
+              history: int = 8, compact_verify: str = "exact") -> HybridReqToTokenPool:
+    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=history, compact_verify=compact_verify)
     original = HybridReqToTokenPool._init_mamba_pool
     monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                         lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
@@ -136,6 +137,33 @@ def test_verify_hooks_match_native(family, draft, tree, monkeypatch, cuda_scratc
     native_win = pools["native"].mamba_pool.mamba_cache.intermediate_conv_window[0][1, rows]
     for m in ("compact", "replay"):
         assert torch.equal(pools[m].mamba_pool.mamba_cache.intermediate_conv_window[0][1, rows], native_win)
+
+
+@pytest.mark.parametrize("family,draft,tree", [("gdn", 4, False), ("gdn", 4, True), ("kda", 3, False)])
+def test_fast_compact_verify_records_what_exact_records(family, draft, tree, monkeypatch,
+                                                        cuda_scratch_on_cpu):  # noqa: F811
+    """``--ssm-compact-verify fast`` through the real backend class: the verify runs at
+    ``FAST_VERIFY_TILE`` (exact: native's tiling), its outputs agree with exact's to float32 rounding, and its
+    records — all a commit reads — are exact's bit for bit, so the committed state is too."""
+    gen = torch.Generator().manual_seed(30 + draft + tree)
+    topk = 2 if tree else 1
+    pools = {v: make_pool("compact", draft, monkeypatch, family, topk, compact_verify=v) for v in ("exact", "fast")}
+    seed_pools(list(pools.values()), gen)
+    layer = make_layer(1, gen, family)
+    slots = torch.tensor([3, -1, 0, 5, 2], dtype=torch.int32, device=DEV)
+    inputs = verify_inputs(slots.shape[0], draft, gen, family)
+    tiles = []
+    real_verify = backend_hooks.compact_verify
+    monkeypatch.setattr(backend_hooks, "compact_verify", lambda *a, tile, **kw: tiles.append(tile) or real_verify(
+        *a, tile=tile, **kw))
+    out = {v: verify(make_backend(p, family, topk), layer, slots, draft, inputs, tree) for v, p in pools.items()}
+    assert tiles == [None, FAST_VERIFY_TILE]
+    real = (slots >= 0).repeat_interleave(draft)
+    torch.testing.assert_close(out["fast"][0, real].float(), out["exact"][0, real].float(), rtol=1e-2, atol=1e-2)
+    exact, fast = (vars(p.mamba_pool.layer_records(1)) for p in pools.values())
+    assert exact.keys() == fast.keys()
+    for name, t in exact.items():
+        assert torch.equal(t, fast[name]), name
 
 
 def commit(hybrid: HybridLinearAttnBackend, last_index: torch.Tensor):

@@ -63,6 +63,18 @@ def test_bad_replay_history(length):
     assert "8, 16, 32, 64" in str(err.value)
 
 
+@pytest.mark.parametrize("mode", ["native", "replay"])
+def test_fast_compact_verify_needs_compact_mode(mode):
+    with pytest.raises(SSMModeConfigError) as err:
+        SSMModeConfig(mode=mode, compact_verify="fast")
+    assert str(err.value) == (f"--ssm-compact-verify fast applies to --ssm-state-mode compact only, not {mode}: "
+                              "pass --ssm-state-mode compact or drop --ssm-compact-verify")
+    with pytest.raises(SSMModeConfigError, match="pass --ssm-compact-verify with one of: exact, fast"):
+        SSMModeConfig(mode="compact", compact_verify="faster")
+    cfg = SSMModeConfig(mode="compact", compact_verify="fast")
+    assert SSMModeConfig(**cfg.to_dict()) == cfg
+
+
 def test_history_is_checked_in_every_mode():
     with pytest.raises(SSMModeConfigError, match="--ssm-replay-history 12"):
         SSMModeConfig(mode="compact", replay_history=12)

@@ -30,6 +30,11 @@ CASES = {  # name: (extra argv, env)
     "native_not_hybrid": (["@llama"], {}),
     "engine_env": (["@engine"], {"SGLANG_SSM_STATE_MODE": "compact"}),
     "flag_over_env": (["--ssm-state-mode", "replay"], {"SGLANG_SSM_STATE_MODE": "compact"}),
+    "compact_fast": (["--ssm-state-mode", "compact", "--ssm-compact-verify", "fast", *SPEC], {}),
+    "compact_fast_env": (["--ssm-state-mode", "compact"], {"SGLANG_SSM_COMPACT_VERIFY": "fast"}),
+    "fast_without_compact": (["--ssm-compact-verify", "fast", *SPEC], {}),
+    "fast_env_replay": (["--ssm-state-mode", "replay"], {"SGLANG_SSM_COMPACT_VERIFY": "fast"}),
+    "bad_fast_env": (["--ssm-state-mode", "compact"], {"SGLANG_SSM_COMPACT_VERIFY": "quick"}),
 }
 
 DRIVER = textwrap.dedent("""
@@ -54,7 +59,8 @@ DRIVER = textwrap.dedent("""
                     sa = prepare_server_args(["--model-path", path, "--device", "cpu", "--disable-radix-cache", *argv])
             c = sa.ssm_mode_config
             json.dumps(c)  # plain values: SGLang serialises its server args (/server_info)
-            out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"]}
+            out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"],
+                         "compact_verify": c["compact_verify"]}
         except SystemExit as e:
             out[name] = {"exit": e.code, "stderr": err.getvalue()[-400:]}
         except Exception as e:
@@ -88,14 +94,17 @@ def test_entry_point_is_discovered_by_sglangs_loader():
 
 def test_flags_resolve_through_prepare_server_args(results):
     """Flags, aliases and environment resolve into the mode configuration on SGLang's ServerArgs."""
-    assert results["default"] == {"mode": "native", "history": 16, "draft_tokens": 1}
-    assert results["compact_spec"] == {"mode": "compact", "history": 16, "draft_tokens": 4}
-    assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4}
-    assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1}
+    assert results["default"] == {"mode": "native", "history": 16, "draft_tokens": 1, "compact_verify": "exact"}
+    assert results["compact_spec"] == {"mode": "compact", "history": 16, "draft_tokens": 4, "compact_verify": "exact"}
+    assert results["replay_alias"] == {"mode": "replay", "history": 32, "draft_tokens": 4, "compact_verify": "exact"}
+    assert results["env"] == {"mode": "replay", "history": 8, "draft_tokens": 1, "compact_verify": "exact"}
     assert results["native_not_hybrid"]["mode"] == "native"
-    assert results["engine_env"] == {"mode": "compact", "history": 16, "draft_tokens": 1}
+    assert results["engine_env"] == {"mode": "compact", "history": 16, "draft_tokens": 1, "compact_verify": "exact"}
     assert results["flag_over_env"]["mode"] == "replay"
-    assert results["replay_pd"] == {"mode": "replay", "history": 16, "draft_tokens": 1}, "replay serves PD"
+    assert results["compact_fast"] == {"mode": "compact", "history": 16, "draft_tokens": 4, "compact_verify": "fast"}
+    assert results["compact_fast_env"]["compact_verify"] == "fast"
+    assert results["fast_env_replay"]["compact_verify"] == "exact", "the environment's applies to compact only"
+    assert results["replay_pd"] == {"mode": "replay", "history": 16, "draft_tokens": 1, "compact_verify": "exact"}, "replay serves PD"
 
 
 def test_bad_combinations_fail_at_startup_naming_the_flag(results):
@@ -109,6 +118,11 @@ def test_bad_combinations_fail_at_startup_naming_the_flag(results):
     r = results["compact_not_hybrid"]
     assert r["error"] == "SSMModeConfigError" and "LlamaConfig" in r["message"], r
     assert "drop --ssm-state-mode" in r["message"]
+    r = results["fast_without_compact"]
+    assert r["error"] == "SSMModeConfigError" and "--ssm-compact-verify fast" in r["message"], r
+    assert "--ssm-state-mode compact" in r["message"]
+    r = results["bad_fast_env"]
+    assert r["error"] == "SSMModeConfigError" and "SGLANG_SSM_COMPACT_VERIFY='quick'" in r["message"], r
 
 
 def test_every_hook_target_exists_in_sglang():
@@ -129,7 +143,8 @@ def test_launch_server_help_shows_the_flags():
     proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for flag in ("--ssm-state-mode {native,compact,replay}", "--ssm-replay-history", "--enable-linear-replayssm",
+    for flag in ("--ssm-state-mode {native,compact,replay}", "--ssm-replay-history",
+                 "--ssm-compact-verify {exact,fast}", "--enable-linear-replayssm",
                  "--linear-replayssm-cache-len"):
         assert flag in proc.stdout
 

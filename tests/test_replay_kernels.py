@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from kernel_cases import DEVICE, flat_inputs, make_case, to_device
+from kernel_cases import DEVICE, call_replay_verify, flat_inputs, make_case, to_device
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
 
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
@@ -21,12 +21,6 @@ from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
-
-
-def _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **options):
-    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
-    return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
-                         inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", **options)
 
 
 def _ring_snapshot(ring):
@@ -53,7 +47,7 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape):
         after_fold(ring, rec_idx, need)
         assert int(ring.count.max()) + d <= L
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+        o = call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)  # bf16 outputs
@@ -111,7 +105,7 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
             need = fold_needed(ring, rec_idx, 1)
             replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
             after_fold(ring, rec_idx, need)
-        _call_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
+        call_replay_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
         advance(ring, rec_idx, ones, window=1 if fused else 0)
     all_ = torch.ones(n, dtype=torch.bool, device=DEVICE)
     replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, all_, is_kda=family == "kda")
@@ -124,7 +118,7 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
 @pytest.mark.parametrize("family,hk,hv,d,L", [("gdn", 2, 4, 3, 8), ("kda", 2, 2, 2, 4), ("gdn", 1, 1, 1, 4)])
 def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     """The verify kernel's fused fold + ``advance(window=T)``, with the output launch in fold-first order
-    (default) and in request order, against the separate fold kernel + cursor update + verify, on the
+    (default) and in request order (on an sm90 GPU overlapping the window launch: ``pdl``), against the separate fold kernel + cursor update + verify, on the
     same inputs round after round (accepted 0..D, padding rows, requests folding at different rounds):
     outputs, checkpoints, every ring buffer and the cursors bit for bit."""
     n, kdim, vdim = 5, 16, 32
@@ -143,11 +137,11 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
         folds += int(need.sum())
         replay_fold(pools[0], state_idx.to(DEVICE), rings[0], rec_idx, need, is_kda=family == "kda")
         after_fold(rings[0], rec_idx, need)
-        o_sep = _call_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx)
+        o_sep = call_replay_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx)
         advance(rings[0], rec_idx, accepted)
         for i, fold_first in ((1, True), (2, False)):
-            o_fused = _call_verify(params, x, family, n, d, pools[i], state_idx, rings[i], rec_idx,
-                                   fold_first=fold_first)
+            o_fused = call_replay_verify(params, x, family, n, d, pools[i], state_idx, rings[i], rec_idx,
+                                   fold_first=fold_first, pdl=pdl_available(DEVICE) or None)
             advance(rings[i], rec_idx, accepted, window=d)
             assert torch.equal(o_sep[0].reshape(n, d, hv, vdim)[real], o_fused[0].reshape(n, d, hv, vdim)[real])
             assert torch.equal(pools[0], pools[i])
@@ -175,9 +169,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
-                    dict(block_v=16, num_warps=1, fold_first=True, **two),  # the window launch's order program
-                    dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # (pdl: the default
-                    dict(block_v=16, num_warps=1, fold_first=False, pdl=False, **two),  # where it can run)
+                    dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # the window's order program
+                    dict(block_v=16, num_warps=1, fold_first=True, pdl=pdl_available(DEVICE), **two),  # the output
+                    dict(block_v=16, num_warps=1, fold_first=False, pdl=pdl_available(DEVICE), **two),  # overlapping
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
@@ -231,7 +225,7 @@ def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
     ring.count[2] = 1  # one older record at position L; the window goes to L + 1 ..
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     pool = pool.to(DEVICE)
-    _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
+    call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx)
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     rec = CompactRecordBuffers.allocate(n, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
     compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -324,6 +318,63 @@ def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
     assert [served_launches(1, True, L) for L in (8, 16)] == [2, 2]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,d", [("gdn", 1), ("gdn", 4), ("kda", 1), ("kda", 4)])
+def test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit(family, d):
+    """The output launch overlapping the window launch (``pdl=True``), captured in a CUDA graph as served and
+    replayed round after round (40 requests: fold-first order, requests folding at different rounds; padding
+    rows), against plain launches on the same inputs: outputs, checkpoints, every ring buffer and cursor bit
+    for bit."""
+    if not pdl_available(DEVICE):
+        pytest.skip("programmatic dependent launch needs a CUDA device of compute capability 9.0 or newer")
+    n, hk, hv, kdim, vdim, L = 40, 2, 4 if family == "gdn" else 2, 64, 64, 8
+    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=70 + d)
+    gen = torch.Generator().manual_seed(71)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    real = (state_idx >= 0).to(DEVICE)
+    rounds = [(to_device(flat_inputs(random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16), family,
+                                     n, d), DEVICE),
+               torch.randint(0, d + 1, (n,), generator=gen).to(DEVICE).to(torch.int32) * real) for _ in range(2 * L)]
+    results = []
+    for pdl in (False, True):
+        p = pool.to(DEVICE).clone()
+        ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+        ring.count.copy_(torch.arange(n, dtype=torch.int32, device=DEVICE) % L)  # folds spread over rounds
+        inp = {name: t.clone() for name, t in rounds[0][0].items()}
+        accepted = torch.zeros(n, dtype=torch.int32, device=DEVICE)
+
+        def step():
+            o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
+                              inp["v"], inp["b"], p, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda",
+                              launches=2, pdl=pdl)
+            advance(ring, rec_idx, accepted, window=d)
+            return o
+
+        warm = _ring_snapshot(ring), p.clone()
+        step()  # compile outside the capture, then restore
+        torch.cuda.synchronize()
+        for name, t in warm[0].items():
+            ring.buffers()[name].copy_(t)
+        p.copy_(warm[1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o = step()
+        outs = []
+        for x, acc in rounds:
+            for name, t in x.items():
+                inp[name].copy_(t)
+            accepted.copy_(acc)
+            graph.replay()
+            outs.append(o.clone())
+        torch.cuda.synchronize()
+        results.append((outs, p, ring.buffers()))
+    (o0, p0, b0), (o1, p1, b1) = results
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1))
+    assert torch.equal(p0, p1)
+    for name, t in b0.items():
+        assert torch.equal(t, b1[name]), name
+
+
 def test_programmatic_dependent_launch_is_refused_where_it_cannot_run():
     """``pdl=True`` off a CUDA device of compute capability 9.0 (here: CPU tensors, also on the GPU machine)
     is a ValueError naming the fix, raised before any launch; the default there is two plain launches."""
@@ -370,7 +421,7 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, t
     truth = pool[state_idx.clamp_min(0)].double().cpu()
     for _ in range(3 * L // d):
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        o = _call_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **tiling_options)
+        o = call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, **tiling_options)
         o_ref, _ = chain_verify(truth, x, params, torch.float64)
         got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
         assert torch.allclose(got, o_ref[real], rtol=2e-2, atol=2e-2)

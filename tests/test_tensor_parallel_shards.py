@@ -14,10 +14,10 @@ from sglang.srt.configs.mamba_utils import (
     KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape,
 )
 
-from kernel_cases import DEVICE, flat_inputs, make_case, to_device
+from kernel_cases import DEVICE, call_replay_verify, flat_inputs, make_case, to_device
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
-from sglang_ssm_modes.ops.replay import ReplayRing, advance, replay_fold, replay_verify
+from sglang_ssm_modes.ops.replay import ReplayRing, advance, replay_fold
 from sglang_ssm_modes.pool import LinearHeads, ModeMambaPool
 from sglang_ssm_modes.reference import LinearAttnInputs
 from sglang_ssm_modes.reference.gating import GateParams
@@ -92,10 +92,7 @@ def _replay_rounds(family, params, xs, pool, state_idx, hk, hv, L, accepted):
     rec_idx = torch.arange(1, n + 1, dtype=torch.int32, device=DEVICE)
     outs = []
     for x, acc in zip(xs, accepted):
-        inp = to_device(flat_inputs(x, family, n, d), DEVICE)
-        outs.append(replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
-                                  inp["v"], inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx,
-                                  is_kda=family == "kda"))
+        outs.append(call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx))
         advance(ring, rec_idx, acc.to(DEVICE), window=d)
     mat = torch.zeros_like(pool)
     replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, torch.ones(n, dtype=torch.bool, device=DEVICE),

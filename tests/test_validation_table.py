@@ -40,6 +40,7 @@ CHOICE_TABLE = {
     "--disaggregation-mode": {"null": (), "prefill": (), "decode": ()},
     "--cuda-graph-backend-decode": {"full": (), "breakable": (), "tc_piecewise": (), "disabled": ()},
     "--cuda-graph-backend-prefill": {"full": (), "breakable": (), "tc_piecewise": (), "disabled": ()},
+    "--ssm-compact-verify": {"exact": (), "fast": ("native", "replay")},
 }
 SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
     "hicache": (["--enable-hierarchical-cache"], (), None),

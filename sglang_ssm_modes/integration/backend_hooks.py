@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..acceptance import StateAcceptance
-from ..ops.compact import compact_verify
+from ..ops.compact import FAST_VERIFY_TILE, compact_verify
 from ..ops.native import native_verify
 from ..ops.replay import advance, clear_history, fold_into_checkpoints, replay_fold, replay_verify
 from ..pool import ModeMambaPool
@@ -105,8 +105,9 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
             # folds where the window would overflow, in the same launch; StateAcceptance settles the cursor
             return replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, **common)
         fold_into_checkpoints(ssm, indices, ring, indices, indices >= 0, is_kda=kda)  # tree: compact's path
+    tile = FAST_VERIFY_TILE if pool.mode_config.compact_verify == "fast" else None  # --ssm-compact-verify
     return compact_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, pool.layer_records(local), rows,
-                          retrieve_parent_token=parents, **common)
+                          retrieve_parent_token=parents, tile=tile, **common)
 
 
 def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b, kda: bool) -> torch.Tensor:

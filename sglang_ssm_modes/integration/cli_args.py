@@ -2,7 +2,7 @@
 an :class:`~sglang_ssm_modes.config.SSMModeConfig` once SGLang has finished its own argument handling.
 
 Flags: ``--ssm-state-mode {native,compact,replay}`` (env ``SGLANG_SSM_STATE_MODE``), ``--ssm-replay-history L``
-(env ``SGLANG_SSM_REPLAY_HISTORY``); newer SGLang's spellings ``--enable-linear-replayssm`` (= replay) and
+(env ``SGLANG_SSM_REPLAY_HISTORY``), ``--ssm-compact-verify {exact,fast}`` (env ``SGLANG_SSM_COMPACT_VERIFY``); newer SGLang's spellings ``--enable-linear-replayssm`` (= replay) and
 ``--linear-replayssm-cache-len L`` (= history) are accepted as aliases; ``--enable-linear-replayssm-spec``
 is refused with a pointer to ``--ssm-state-mode``.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..config import MODES, REPLAY_HISTORIES, SSMModeConfig, SSMModeConfigError
+from ..config import COMPACT_VERIFIES, MODES, REPLAY_HISTORIES, SSMModeConfig, SSMModeConfigError
 
 ENV_MODE = "SGLANG_SSM_STATE_MODE"
 ENV_HISTORY = "SGLANG_SSM_REPLAY_HISTORY"
+ENV_COMPACT_VERIFY = "SGLANG_SSM_COMPACT_VERIFY"
 DEFAULT_HISTORY = 16
 
 
@@ -36,6 +37,16 @@ def _env_history() -> int | None:
         raise SSMModeConfigError(f"{ENV_HISTORY}={raw!r} is not an integer: set it to one of {REPLAY_HISTORIES}")
 
 
+def _env_compact_verify(mode: str) -> str | None:
+    """The environment's compact verify: checked always, applied to compact servers only (one environment can
+    serve every mode; the flag, by contrast, is refused outside compact)."""
+    raw = os.environ.get(ENV_COMPACT_VERIFY)
+    if raw is not None and raw not in COMPACT_VERIFIES:
+        raise SSMModeConfigError(f"{ENV_COMPACT_VERIFY}={raw!r} is not a compact verify: set it to one of "
+                                 + ", ".join(COMPACT_VERIFIES))
+    return raw if mode == "compact" else None
+
+
 def add_ssm_mode_args(parser: argparse.ArgumentParser) -> None:
     """Add the SSM state-mode flags to SGLang's server argument parser."""
     group = parser.add_argument_group("SSM state modes (sglang-ssm-modes)")
@@ -47,6 +58,11 @@ def add_ssm_mode_args(parser: argparse.ArgumentParser) -> None:
                        help=f"Replay history L (records per request and layer before a fold), one of "
                             f"{REPLAY_HISTORIES}; must be >= --speculative-num-draft-tokens. Env {ENV_HISTORY}. "
                             f"Default: {DEFAULT_HISTORY}.")
+    group.add_argument("--ssm-compact-verify", choices=COMPACT_VERIFIES, default=None,
+                       help="Compact mode's verify tiling: exact (native's; outputs bit-identical to native) or "
+                            "fast (16 value columns per program: a faster speculative round, outputs equal to "
+                            "native's to float32 rounding, committed state still bit-identical). Only with "
+                            f"--ssm-state-mode compact. Env {ENV_COMPACT_VERIFY} (compact servers only). Default: exact.")
     group.add_argument("--enable-linear-replayssm", action="store_true",
                        help="Alias of --ssm-state-mode replay (newer SGLang's spelling).")
     group.add_argument("--linear-replayssm-cache-len", type=int, default=None, metavar="L",
@@ -72,5 +88,7 @@ def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, stat
         raise SSMModeConfigError(f"--ssm-replay-history {history} and --linear-replayssm-cache-len {alias} disagree: "
                                  "pass only --ssm-replay-history")
     history = history if history is not None else alias if alias is not None else _env_history()
+    compact_verify = getattr(args, "ssm_compact_verify", None) or _env_compact_verify(mode) or "exact"
     return SSMModeConfig(mode=mode, replay_history=DEFAULT_HISTORY if history is None else history,
-                         draft_tokens=draft_tokens or 1, state_dtype=state_dtype or "float32")
+                         draft_tokens=draft_tokens or 1, state_dtype=state_dtype or "float32",
+                         compact_verify=compact_verify)

@@ -63,6 +63,8 @@ def init_mamba_pool(original, self, **kwargs):
     if cfg.mode != "native" and cfg.draft_tokens > 1:
         shape = "tree" if pool.tree_verify else "chain"
         routed = " (replay serves trees through compact's records and commit)" if cfg.mode != pool.verify_path else ""
+        if cfg.compact_verify == "fast":  # --ssm-compact-verify fast
+            routed += " at the fast tiling (outputs equal to native's to float32 rounding, commits bit for bit)"
         logger.info("sglang-ssm-modes: speculative verify of %d draft tokens (%s): %s kernels%s; plain decode: %s",
                     cfg.draft_tokens, shape, pool.verify_path, routed,
                     "replay kernels" if pool.decode_path == "replay" else "SGLang's decode kernel")

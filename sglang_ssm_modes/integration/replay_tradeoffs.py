@@ -15,32 +15,36 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 
-SOURCES = {L: "bench/results/replay_h200.md, commit 34d5527" for L in (16, 32, 64)}
-"""Where the figures of each history come from."""
+OFFICIAL = "bench/results/replay_h200.md, commit 34d5527"
+SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 32, 64)},
+           **{("gdn", L): OFFICIAL + "; below 32 requests bench/results/replay/onelaunch_bound_20261204, commit "
+                                     "b29f6ef" for L in (32, 64)}}
+"""Where the figures of each ``(family, history)`` come from (GDN's cells of 1 and 8 requests at L = 32 and 64,
+as served now, from a later run than the rest: ratios within one run each, not across)."""
 
 DECODE = {
     ("gdn", 16): ("plain decode 0.60-0.89x native below 64 running requests, 1.17-1.25x from 64 to 256", False),
     ("kda", 16): ("plain decode 0.41-0.85x native below 64 running requests, 1.01-1.10x from 64 to 256", False),
-    ("gdn", 32): ("plain decode 0.79-0.83x native at 32-64 running requests, 1.10-1.12x at 128-256 (fewer than 32 "
-                  "not measured as served)", False),
+    ("gdn", 32): ("plain decode 0.57x native at 1 and 8 running requests, 0.79-0.83x at 32-64, 1.10-1.12x at "
+                  "128-256", False),
     ("kda", 32): ("plain decode 0.44-0.85x native at 1-256 running requests", True),
-    ("gdn", 64): ("plain decode 0.52-0.85x native at 32-256 running requests (fewer not measured as served)", True),
+    ("gdn", 64): ("plain decode 0.42-0.85x native at 1-256 running requests (1 and 8 measured: 0.42x, 0.47x)",
+                  True),
     ("kda", 64): ("plain decode 0.42-0.59x native at 1-256 running requests", True),
 }
 """Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
 native at every batch measured. Below 64 requests a replay step is launch-bound, not byte-bound: SGLang's
 decode is one launch, ours one (a GDN window of at most 8 tokens over at most 16 records) or two (window,
-output), plus the cursor's. At L = 64 the window launch reads up to 64 history keys per head. The GDN rows
-of fewer than 32 requests at L = 32 and 64 were measured in one launch, served in two since."""
+output), plus the cursor's. At L = 64 the window launch reads up to 64 history keys per head."""
 
 VERIFY = {
     ("gdn", 16): ("a D = 4 speculative round 0.92-0.99x native below 32 requests, 1.63-2.05x from 32 to 256", False),
     ("kda", 16): ("a D = 4 speculative round 0.99-1.04x native below 32 requests, 1.71-1.82x from 32 to 256", False),
-    ("gdn", 32): ("a D = 4 speculative round 0.83x native at 8 requests, 1.20-1.85x from 32 to 256 (1 request not "
-                  "measured as served)", False),
+    ("gdn", 32): ("a D = 4 speculative round 0.63x native at 1 request, 0.85x at 8, 1.20-1.85x from 32 to 256",
+                  False),
     ("kda", 32): ("a D = 4 speculative round 0.78-0.84x native below 32 requests, 1.18-1.73x from 32 to 256", False),
-    ("gdn", 64): ("a D = 4 speculative round 0.89x native at 8 requests, 1.09-1.40x from 32 to 256 (1 request not "
-                  "measured as served)", False),
+    ("gdn", 64): ("a D = 4 speculative round 0.72x native at 1 request, 0.90x at 8, 1.09-1.40x from 32 to 256",
+                  False),
     ("kda", 64): ("a D = 4 speculative round 0.81-0.95x native below 128 requests, 1.08-1.09x at 128-256", False),
 }
 """Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE` (same keys)."""
@@ -68,11 +72,12 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
         return [(logging.WARNING, "replay " + LOW_PRECISION.format(dtype=dtype_name(state_dtype)))]
     key = (family, cfg.replay_history)
     if key not in DECODE:
+        measured = sorted({L for _, L in SOURCES})
         return [(logging.INFO, f"replay ({where}): speed against native not measured for this history "
-                               f"(measured: L = {', '.join(map(str, SOURCES))})")]
+                               f"(measured: L = {', '.join(map(str, measured))})")]
     out = []
     for text, slower_everywhere in [DECODE[key]] + ([VERIFY[key]] if cfg.draft_tokens > 1 and not tree_verify else []):
-        text += f" ({SOURCES[cfg.replay_history]})"
+        text += f" ({SOURCES[key]})"
         if slower_everywhere:
             text += ": slower than native at every batch measured (L = 16 is the fastest history)"
         out.append((logging.WARNING if slower_everywhere else logging.INFO,

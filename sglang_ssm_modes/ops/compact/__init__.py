@@ -3,6 +3,6 @@ accepted prefixes. The plain-torch reference beside them is :mod:`sglang_ssm_mod
 
 from .commit import compact_commit
 from .records import CompactRecordBuffers
-from .verify import compact_verify
+from .verify import FAST_VERIFY_TILE, compact_verify
 
-__all__ = ["CompactRecordBuffers", "compact_commit", "compact_verify"]
+__all__ = ["FAST_VERIFY_TILE", "CompactRecordBuffers", "compact_commit", "compact_verify"]

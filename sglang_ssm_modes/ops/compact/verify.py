@@ -9,6 +9,16 @@ from ..verify_window import verify_window
 from .records import CompactRecordBuffers
 
 
+FAST_VERIFY_TILE = (16, 1)
+"""``(BV, num_warps)`` of the ``fast`` compact verify (``--ssm-compact-verify fast``): 16 value columns on one
+warp, more and smaller programs than native's tiling. On the H200 (bench/results/replay/split_20261203/
+run4_1e9c712/compact, one run, D = 4, verify + commit against native's) the round is 1.48x / 1.61x native at
+batch 64 / 256 for GDN and 1.53x / 1.57x for KDA with a float32 state, 1.20-1.25x with bfloat16 — against
+1.26-1.39x (GDN) and 1.28-1.33x (KDA) with native's tiling in another run (bench/results/compact_h200.md).
+Outputs then agree with native's to float32 rounding (another summation order), not bit for bit; records,
+and so committed states, stay exact."""
+
+
 def compact_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, b: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor,
                    records: CompactRecordBuffers, record_indices: torch.Tensor, *, is_kda: bool,

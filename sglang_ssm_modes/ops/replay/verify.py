@@ -612,9 +612,19 @@ def served_launches(tokens: int, is_kda: bool, history: int) -> int:
     return 1 if short or (tokens == 1 and history <= ONE_TOKEN_MAX_HISTORY) else 2
 
 
-def pdl_available(device: torch.device) -> bool:
+SERVED_PDL = False
+"""Whether a served two-launch verify overlaps its output launch with its window launch (programmatic dependent
+launch, ``replay_verify(pdl=True)``). Off until measured: the H200 run meant to time it side by side (bench
+variants ``served:pdl`` / ``served``) and to run its gpu tests did not come back (the device machine stopped
+answering; not lent again that session), so neither its speed nor its behaviour under CUDA graphs on the H200
+is known yet. Interpreter tests cover the launch order's logic with it off; ptxas compiles both kernels with it
+for sm_90a (``scripts/kernel_registers.py``: the same registers as without)."""
+
+
+def pdl_available(device: torch.device | str) -> bool:
     """Whether launches on ``device`` can overlap by programmatic dependent launch (CUDA, compute capability
     9.0 or newer, not the Triton interpreter)."""
+    device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -654,9 +664,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
     ``fold_first`` (with ``fused_fold``; default: from :data:`FOLD_FIRST_MIN_REQUESTS` requests on): the
     output launch runs the folding requests' programs first (in two launches the window launch's
-    :func:`fold_order_program`; in one, :func:`fold_order_kernel` before it). ``pdl`` (two launches; default:
-    :func:`pdl_available`): the output launch is a programmatic dependent of the window launch and starts
-    while it runs (:func:`replay_output_kernel`).
+    :func:`fold_order_program`; in one, :func:`fold_order_kernel` before it). ``pdl`` (two launches, where
+    :func:`pdl_available`; default :data:`SERVED_PDL`): the output launch is a programmatic dependent of the
+    window launch and starts while it runs (:func:`replay_output_kernel`).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
@@ -705,7 +715,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"window_warps {window_warps} must be 1, 2, 4 or 8")
     scale = kdim ** -0.5 if scale is None else scale
     fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
-    pdl = pdl_available(q.device) if pdl is None else pdl
+    pdl = SERVED_PDL if pdl is None else pdl
     if pdl and not pdl_available(q.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                          "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
