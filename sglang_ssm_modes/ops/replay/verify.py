@@ -19,8 +19,8 @@ Two launches split the work by the axis it runs over (a small GDN window runs in
   its checkpoint columns in a pipelined loop over K and its columns of the history's ``u``, solves the
   window's ``u`` and outputs with those coefficients, and appends the value-side records (``u``, raw v). A
   request whose window would overflow is folded here, tile by tile, in the same launch — first, when the
-  batch is large enough: :func:`fold_order_kernel` (a one-program launch) orders the requests so that
-  folding ones come first.
+  batch is large enough: one more program of the window launch (:func:`fold_order_program`) orders the
+  requests so that folding ones come first.
 
 :func:`replay_step_kernel` does both in one launch, every output program computing the window's K-side work
 for itself tile by tile: no launch gap and no scratch, but the history's keys read once per column tile and
@@ -557,11 +557,12 @@ def served_window_warps(history: int, tokens: int) -> int:
 
 
 FOLD_FIRST_MIN_REQUESTS = 32
-"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_kernel`). On the
-H200 (bench/results/replay/foldfirst_20261203) the order launch costs 2-3 µs: below batch 8 that is all it
-does, at 8 and 16 it is a wash (within 3 µs either way), from 32 on fold-first is as fast or faster
-everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding programs would
-otherwise be the launch's tail."""
+"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_program`). On the
+H200 (bench/results/replay/foldfirst_20261203, the order then a launch of its own) the order launch cost 2-3 µs:
+below batch 8 that is all it did, at 8 and 16 it was a wash (within 3 µs either way), from 32 on fold-first was
+as fast or faster everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding
+programs would otherwise be the launch's tail. Since 986b1f6 the order is one more program of the window launch
+(no launch of its own; not yet timed)."""
 NARROW_TILING = (16, 1, None, 2)
 """``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
 requests: 16 value columns on one warp, the whole of K in one step — more, smaller programs for a launch
