@@ -336,8 +336,8 @@ def main(argv=None) -> int:
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
-                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL). The first listed is "
-                        "plotted: list the served default first. "
+                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL). The first "
+                        "listed is plotted: list the served default first. "
                         "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "

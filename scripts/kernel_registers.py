@@ -62,12 +62,12 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
     (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on; both
-    with programmatic dependent launch, as served on sm90);
+    with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.verify.SERVED_PDL` serves it);
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
-                                                    replay_window_kernel, served_window_warps)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_PDL, replay_output_kernel,
+                                                    replay_step_kernel, replay_window_kernel, served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -78,13 +78,13 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     window = _ptxas_resources(
         replay_window_kernel,
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
-        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold, PDL=True),
+        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold, PDL=SERVED_PDL),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
     tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
-                NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=True)
+                NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
     out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:
         step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)

@@ -2,8 +2,9 @@
 an :class:`~sglang_ssm_modes.config.SSMModeConfig` once SGLang has finished its own argument handling.
 
 Flags: ``--ssm-state-mode {native,compact,replay}`` (env ``SGLANG_SSM_STATE_MODE``), ``--ssm-replay-history L``
-(env ``SGLANG_SSM_REPLAY_HISTORY``), ``--ssm-compact-verify {exact,fast}`` (env ``SGLANG_SSM_COMPACT_VERIFY``); newer SGLang's spellings ``--enable-linear-replayssm`` (= replay) and
-``--linear-replayssm-cache-len L`` (= history) are accepted as aliases; ``--enable-linear-replayssm-spec``
+(env ``SGLANG_SSM_REPLAY_HISTORY``), ``--ssm-compact-verify {exact,fast}`` (env ``SGLANG_SSM_COMPACT_VERIFY``);
+newer SGLang's spellings ``--enable-linear-replayssm`` (= replay) and ``--linear-replayssm-cache-len L``
+(= history) are accepted as aliases; ``--enable-linear-replayssm-spec``
 is refused with a pointer to ``--ssm-state-mode``.
 """
 
@@ -62,7 +63,8 @@ def add_ssm_mode_args(parser: argparse.ArgumentParser) -> None:
                        help="Compact mode's verify tiling: exact (native's; outputs bit-identical to native) or "
                             "fast (16 value columns per program: a faster speculative round, outputs equal to "
                             "native's to float32 rounding, committed state still bit-identical). Only with "
-                            f"--ssm-state-mode compact. Env {ENV_COMPACT_VERIFY} (compact servers only). Default: exact.")
+                            f"--ssm-state-mode compact. Env {ENV_COMPACT_VERIFY} (compact servers only). "
+                            "Default: exact.")
     group.add_argument("--enable-linear-replayssm", action="store_true",
                        help="Alias of --ssm-state-mode replay (newer SGLang's spelling).")
     group.add_argument("--linear-replayssm-cache-len", type=int, default=None, metavar="L",
