@@ -2,8 +2,9 @@
 
 * ``decode`` (one token per request): native = SGLang's default decode kernel
   (``fused_recurrent_gated_delta_rule_packed_decode`` for GDN, ``fused_recurrent_kda_packed_decode``
-  for KDA; state read + written), replay = masked fold of the requests whose history is full,
-  output-only verify of one token, cursor advance.
+  for KDA; state read + written), replay = its served plain decode (``ops.replay.decode.replay_decode``:
+  write-through for small batches — fold + token + checkpoint written, one launch — else the output-only
+  verify of one token with the fold fused, cursor advance; variants ``:through`` / ``:nothrough`` force one).
 * ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
   KDA ours); replay = masked fold, output-only verify of D tokens, cursor advance.
 * ``upstream-replayssm`` rows (decode only): upstream SGLang's ReplaySSM decode kernel from the
@@ -46,6 +47,7 @@ STATELESS_IMPLS = (*NATIVE_IMPLS, "fla")
 """Implementations without a history: one row per (family, dtype, D, batch), whatever the case's L."""
 
 KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": "step", "advance": "advance",
+           "replay_write_through": "write-through",
            "replay_fold": "fold", "packed_decode": "decode", "fused_sigmoid_gating": "verify",
            "verify_window": "verify", "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
            "fused_recurrent_kda_fwd": "fla"}
@@ -70,7 +72,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
     from sglang_ssm_modes.ops.native import native_verify
-    from sglang_ssm_modes.ops.replay import ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_verify
+    from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
+                                             replay_verify)
+    from sglang_ssm_modes.ops.replay.decode import replay_write_through_kernel, serves_write_through
     from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel, served_launches)
 
@@ -86,7 +90,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     pool = (0.1 * torch.randn(rounds * batch + 1, hv, V, K, generator=gen, device="cuda")).to(sd)
     groups = [torch.arange(r * batch, (r + 1) * batch, dtype=torch.int32, device="cuda") for r in range(rounds)]
     ring = ReplayRing.allocate(rounds * batch, history, hk, hv, K, V, is_kda, torch.bfloat16, "cuda")
-    ring.count.copy_(torch.arange(rounds * batch, device="cuda") % max(1, history - d + 1))  # spread cursors
+    spread = torch.arange(rounds * batch, device="cuda", dtype=torch.int32) % max(1, history - d + 1)
+
+    def spread_cursors():  # every replay row starts from the same spread cursors (a write-through empties them)
+        for word in ring.cleared_words():
+            word.zero_()
+        ring.count.copy_(spread)
     accepted = torch.randint(1, d + 1, (batch,), generator=gen, device="cuda").to(torch.int32)
     last = (accepted - 1).to(torch.int64)
     rows = []
@@ -95,10 +104,23 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
+    def writes_through(variant):  # whether a decode step of this variant is a write-through (a variant with
+        through = variant.get("write_through")  # output-only options times the output-only path)
+        if through is None:
+            through = variant == {} and serves_write_through(batch, is_kda, history, sd)
+        return d == 1 and through
+
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
+        verify_kw = {key: value for key, value in variant.items() if key != "write_through"}
+
         def step(r):
+            if d == 1:  # the served plain decode (cursor settled inside)
+                replay_decode(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
+                              ring, groups[r], is_kda=is_kda, round_beta=round_beta,
+                              write_through=writes_through(variant), **({} if writes_through(variant) else verify_kw))
+                return
             replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                          groups[r], is_kda=is_kda, round_beta=round_beta, **variant)
+                          groups[r], is_kda=is_kda, round_beta=round_beta, **verify_kw)
             advance(ring, groups[r], accepted, window=d)
         return step
 
@@ -107,6 +129,15 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
                       groups[r], is_kda=is_kda, round_beta=round_beta, fused_fold=False)
         advance(ring, groups[r], accepted)
+
+    def fused_path(variant):  # what a timed step of the variant runs
+        if writes_through(variant):
+            return "replay_decode[write-through](fold + token, checkpoint written, cursor emptied)"
+        return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"
+                f"+advance(window={d})")
+
+    def fused_bytes(variant):  # write-through: native's bytes (in the timed steady state no history is left)
+        return 2 * batch * state_bytes if writes_through(variant) else replay_bytes
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
@@ -180,9 +211,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     replay_per_req = state_bytes + 2 * history * rec + SLOT_WORDS_BYTES
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
-            *(("ours-replay", f"fused {name}", replay_step_fused(variant), replay_bytes,
-               f"replay_verify[{launch_label(variant)}](fused fold, {variant}, "
-               f"round_beta={round_beta})+advance(window={d})",
+            *(("ours-replay", f"fused {name}", replay_step_fused(variant), fused_bytes(variant), fused_path(variant),
                replay_per_req) for name, variant in variants),
             ("ours-replay", "separate", replay_step_separate, replay_bytes,
              f"fold_needed+fold_into_checkpoints(masked)+replay_verify[{launch_label({})}](round_beta={round_beta})"
@@ -191,10 +220,13 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             *((fla_row,) if d == 1 and fla is not None else ())):
         if impl_ in STATELESS_IMPLS and not stateless:
             continue
-        key = (family, dtype_name, history, d, round_beta, fold)
+        key = (family, dtype_name, history, d, round_beta, fold, "write-through" in path_)
+        if impl_ == "ours-replay":
+            spread_cursors()
         if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel,
-                                                 "step": replay_step_kernel},
+                                                 "step": replay_step_kernel,
+                                                 "write-through": replay_write_through_kernel},
                                                 lambda: fn_(0)) or None
         us = time_graph(fn_, rounds)
         parts = kernel_times(fn_, rounds, KERNELS)
@@ -233,11 +265,16 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
+            elif opt in ("through", "nothrough"):
+                kw["write_through"] = opt == "through"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
-                             "launch or after it)")
+                             "launch or after it), :through / :nothrough (decode written through or output-only)")
+        if kw.get("write_through") and len(kw) > 1:
+            parser.error(f"--variants {value}: a write-through has no output launch to tile: :through goes alone "
+                         "(served:through)")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -327,7 +364,8 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two][:pdl|:nopdl]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two][:pdl|:nopdl]"
+                           "[:through|:nothrough]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
@@ -336,9 +374,10 @@ def main(argv=None) -> int:
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
-                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL). The first "
-                        "listed is plotted: list the served default first. "
-                        "E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
+                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
+                        "written through to the checkpoint (served:through) or output-only (:nothrough; default: "
+                        "ops.replay.decode.serves_write_through, by batch). The first listed is plotted: list the "
+                        "served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")

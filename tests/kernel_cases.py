@@ -3,6 +3,8 @@ native verify + acceptance as the baseline, random draft trees."""
 
 import torch
 
+from sglang.srt.layers.attention.fla.fused_recurrent import (fused_recurrent_gated_delta_rule_packed_decode,
+                                                              fused_recurrent_kda_packed_decode)
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
 from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
@@ -39,6 +41,31 @@ def call_replay_verify(params, x, family, n, d, pool, state_idx, ring, rec_idx, 
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     return replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
                          inp["b"], pool, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", **options)
+
+
+def sglang_decode(params, x, pool, state_idx, family, n):
+    """SGLang 0.5.14's decode (``fused_sigmoid_gating_delta_rule_update``, one token per request) of ``x``
+    on ``pool`` (on ``DEVICE``, updated in place); returns ``o`` ``[1, n, HV, V]``."""
+    inp = to_device(flat_inputs(x, family, n, 1), DEVICE)
+    return fused_sigmoid_gating_delta_rule_update(
+        A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0, softplus_threshold=20.0,
+        initial_state_source=pool, initial_state_indices=state_idx.to(DEVICE), use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=DEVICE), is_kda=family == "kda", **inp)
+
+
+def sglang_packed_decode(params, x, pool, state_idx, family, n):
+    """SGLang 0.5.14's packed decode (``fused_recurrent_{gated_delta_rule,kda}_packed_decode``: what its Triton
+    GDN / KDA kernels run for a decode on CUDA; GDN rounds beta to b's dtype) of ``x`` on ``pool`` (on
+    ``DEVICE``, updated in place); returns ``o`` ``[n, 1, HV, V]`` (zero for padding rows)."""
+    inp = to_device(flat_inputs(x, family, n, 1), DEVICE)
+    mixed = torch.cat([inp[name][0].flatten(1) for name in ("q", "k", "v")], 1).contiguous()
+    out = mixed.new_empty(n, 1, inp["v"].shape[2], inp["v"].shape[3])
+    kernel = fused_recurrent_kda_packed_decode if family == "kda" else fused_recurrent_gated_delta_rule_packed_decode
+    kernel(mixed_qkv=mixed, a=inp["a"].contiguous(), b=inp["b"][0].contiguous(),
+           A_log=params.A_log.to(DEVICE).reshape(-1), dt_bias=params.dt_bias.to(DEVICE).reshape(-1),
+           scale=x.k.shape[-1] ** -0.5, initial_state=pool, out=out,
+           ssm_state_indices=state_idx.to(DEVICE).to(torch.int32), use_qk_l2norm_in_kernel=True)
+    return out
 
 
 def sglang_native_verify(params, x, pool, state_idx, family, n, d, parents=None):

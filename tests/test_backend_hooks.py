@@ -18,6 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
 from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
+from sglang_ssm_modes.ops.replay import decode as replay_decode_module
 from sglang_ssm_modes.ops.replay import replay_fold
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 from sglang_ssm_modes.reference.random_layer import random_gate_params
@@ -261,24 +262,34 @@ def native_and_replay_decoders(monkeypatch, family: str, seed: int):
     return pools, layer, backends, torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV), gen
 
 
+def choose_decode_path(monkeypatch, path: str) -> None:
+    """Serve replay's plain decode ``"output-only"`` or ``"write-through"`` at every batch."""
+    monkeypatch.setattr(replay_decode_module, "serves_write_through", lambda *args: path == "write-through")
+
+
+@pytest.mark.parametrize("path", ["output-only", "write-through"])
 @pytest.mark.parametrize("family", ["gdn", "kda"])
-def test_replay_decode_and_prefill_through_the_backend(family, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
+def test_replay_decode_and_prefill_through_the_backend(family, path, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
     with sglang_fla_on_cpu():
-        _replay_decode_and_prefill(family, monkeypatch)
+        _replay_decode_and_prefill(family, path, monkeypatch)
 
 
-def _replay_decode_and_prefill(family, monkeypatch):
-    """Plain decode in replay (output-only, one record per token, folds every L tokens) against SGLang's
-    own decode, then (GDN) a prefill chunk on top of the history: replay folds first and continues with
-    SGLang's chunked kernel. Outputs agree to float32 rounding, the materialised state within 1e-5, and
-    a prefill leaves no history behind."""
+def _replay_decode_and_prefill(family, path, monkeypatch):
+    """Plain decode in replay (output-only: one record per token, folds every L tokens; write-through: the
+    checkpoint written each token) against SGLang's own decode, then (GDN) a prefill chunk on top of the
+    history: replay folds first and continues with SGLang's chunked kernel. Outputs agree to float32
+    rounding, the materialised state within 1e-5, and a prefill leaves no history behind."""
     pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=3)
-    for step in range(11):  # folds at the 9th token (L = 8)
+    state_dtype = pools["replay"].mamba_pool.mamba_cache.temporal.dtype
+    assert replay_decode_module.serves_write_through(3, family == "kda", 8, state_dtype), "as served"
+    choose_decode_path(monkeypatch, path)
+    for step in range(11):  # output-only folds at the 9th token (L = 8)
         x = verify_inputs(slots.shape[0], 1, gen, family)
         out = {m: decode(backends[m], layer, slots, x, family) for m in pools}
         torch.testing.assert_close(out["replay"].float(), out["native"].float(), rtol=2e-2, atol=2e-2)
     rings = pools["replay"].mamba_pool.layer_ring(0)
-    assert rings.count[slots.long()].tolist() == [3, 3, 3] and (rings.phase[slots.long()] == 1).all()
+    counts, phase = ([3, 3, 3], 1) if path == "output-only" else ([0, 0, 0], 0)
+    assert rings.count[slots.long()].tolist() == counts and (rings.phase[slots.long()] == phase).all()
     native, replay = pools["native"].mamba_pool, pools["replay"].mamba_pool
     materialised = torch.zeros_like(replay.mamba_cache.temporal[0])
     replay_fold(replay.mamba_cache.temporal[0], slots, rings, slots, slots >= 0, is_kda=family == "kda",
@@ -302,12 +313,14 @@ def _replay_decode_and_prefill(family, monkeypatch):
     assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
 
 
-def test_replay_decode_tracking_for_the_radix_cache(monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
+@pytest.mark.parametrize("path", ["output-only", "write-through"])
+def test_replay_decode_tracking_for_the_radix_cache(path, monkeypatch, cuda_scratch_on_cpu):  # noqa: F811
     """extra_buffer tracking during decode (GDN: SGLang refuses extra_buffer for Kimi-Linear): SGLang's
     own copy of the conv window and state into the track slots (native), and for replay the same copy
     with the materialised state written over the raw checkpoint — the track slot holds the canonical
     state within 1e-6 and no history."""
     family = "gdn"
+    choose_decode_path(monkeypatch, path)
     with sglang_fla_on_cpu():
         pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=9)
         untracked = torch.full((3,), -1, dtype=torch.int32, device=DEV)
@@ -322,7 +335,8 @@ def test_replay_decode_tracking_for_the_radix_cache(monkeypatch, cuda_scratch_on
         assert torch.equal(replay.mamba_cache.conv[0][:, [6, 7]], native.mamba_cache.conv[0][:, [6, 7]])
         got, want = replay.mamba_cache.temporal[0, [6, 7]], native.mamba_cache.temporal[0, [6, 7]]
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
-        assert rings.count[[6, 7]].tolist() == [0, 0] and rings.count[slots.long()].tolist() == [5, 5, 5]
+        pending = 5 if path == "output-only" else 0
+        assert rings.count[[6, 7]].tolist() == [0, 0] and rings.count[slots.long()].tolist() == [pending] * 3
         untouched = [s for s in range(replay.size + 1) if s not in (1, 2, 5, 6, 7)]
         assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
 

@@ -15,8 +15,8 @@ plugin's pool hook) in each state mode, on the CPU, driven the way the scheduler
 What runs in place of a model (never in place of the code under test): the prefill writes
 ``0.5 * state + noise`` into each request's slot (it continues from the prefix state the COW gave it,
 as SGLang's chunked kernel does) and a seeded conv window; decode in ``replay`` is the plugin's real
-decode hook (SGLang's conv update, then output-only decode and one history record per token, folding
-when the ring is full), while ``native`` / ``compact`` decode is SGLang's packed decode kernel, which the
+decode hook (SGLang's conv update, then output-only decode — forced: a small batch would be written
+through, leaving no history — and one history record per token, folding when the ring is full), while ``native`` / ``compact`` decode is SGLang's packed decode kernel, which the
 Triton interpreter cannot run as it is, so there the decoded state is set (to a seeded value, or, when
 the modes are compared, to replay's canonical state of the same step).
 
@@ -53,6 +53,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
+from sglang_ssm_modes.ops.replay import decode as replay_decode_module
 from sglang_ssm_modes.ops.replay import replay_fold
 from sglang_ssm_modes.pool import ModeMambaPool
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
@@ -126,6 +127,9 @@ class World:
                  extra_buffer: bool = False, overlap: bool = False):
         self.mode = mode
         cfg = SSMModeConfig(mode=mode, replay_history=HISTORY)
+        # replay decodes output-only here, whatever the batch: the path that keeps a history beside the
+        # checkpoint, which is what the radix cache must see through (a write-through leaves none)
+        monkeypatch.setattr(replay_decode_module, "serves_write_through", lambda *args: False)
         monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                             lambda pool, **kw: init_mode_mamba_pool(_SGLANG_INIT_MAMBA_POOL, pool, cfg, **kw))
         self.rtp = HybridReqToTokenPool(

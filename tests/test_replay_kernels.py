@@ -7,11 +7,11 @@ import inspect
 import pytest
 import torch
 
-from kernel_cases import DEVICE, call_replay_verify, flat_inputs, make_case, to_device
-from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+from kernel_cases import DEVICE, call_replay_verify, flat_inputs, make_case, sglang_decode, to_device
 
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
+from sglang_ssm_modes.ops.replay.decode import replay_write_through_kernel
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
                                                 WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
@@ -95,12 +95,7 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
     ones = torch.ones(n, dtype=torch.int32, device=DEVICE)
     for t in range(tokens):
         x = x_all.tokens(t, t + 1)
-        inp = to_device(flat_inputs(x, family, n, 1), DEVICE)
-        fused_sigmoid_gating_delta_rule_update(
-            A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE), softplus_beta=1.0,
-            softplus_threshold=20.0, initial_state_source=native, initial_state_indices=state_idx.to(DEVICE),
-            use_qk_l2norm_in_kernel=True, cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
-            is_kda=family == "kda", **inp)
+        sglang_decode(params, x, native, state_idx, family, n)
         if not fused:
             need = fold_needed(ring, rec_idx, 1)
             replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
@@ -150,6 +145,20 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     assert folds >= 2  # requests folded at different rounds
 
 
+def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
+    """A ring of ``n`` slots filled with seeded random records (drawn on the CPU: the same bits on any device),
+    every cursor at ``count``."""
+    ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    ring.count.fill_(count)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in ring.buffers().items():
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    ring.beta.copy_(torch.rand(ring.beta.shape, generator=gen))
+    ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
+    return ring
+
+
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
@@ -175,14 +184,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
-        ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
-        ring.count.fill_(L - 1)  # every request folds inside the launch
-        gen = torch.Generator().manual_seed(51)
-        for name, t in ring.buffers().items():
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-        ring.beta.copy_(torch.rand(ring.beta.shape, generator=gen))  # drawn on the CPU: same bits on any device
-        ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
+        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)  # every request folds in the launch
         p = pool.to(DEVICE).clone()
         inp = to_device(flat_inputs(x, family, n, d), DEVICE)
         o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -211,6 +213,36 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="window_warps 3"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [1, 4])
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
+def test_multi_warp_column_tiles_fold_the_served_bits_at_real_shapes(family, hk, hv, d):
+    """Candidate tilings whose value tiles span several warps — one program per head and 128 columns (the
+    bench's ``128x4:k32:one``, ``128x8:k16:one``, ``128x4:k32:two``) or 64 (``64x2:k32:one``): the history's keys
+    read once or twice per head, no spills at D = 1 (``scripts/kernel_registers.py``) — at Qwen3-Next /
+    Kimi-Linear head shapes, every request folding inside the launch: checkpoints and every
+    record but ``u`` are the served tiling's bits, outputs and ``u`` within rounding. (At K = 16 a fold tile over
+    4 warps split K across warps and changed bits, ``FOLD_WARP_COLUMNS``; at K = 128 a warp holds whole
+    columns.) A variant must pass this before it can be served."""
+    n, L, kdim, vdim = 9, 16, 128, 128
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52 + d)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    results = []
+    for variant in ({}, dict(block_v=128, num_warps=4, block_k=32, launches=1),
+                    dict(block_v=128, num_warps=8, block_k=16, launches=1),
+                    dict(block_v=128, num_warps=4, block_k=32, launches=2),
+                    dict(block_v=64, num_warps=2, block_k=32, launches=1)):
+        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d + 1, seed=53)
+        p = pool.to(DEVICE).clone()
+        o = call_replay_verify(params, x, family, n, d, p, state_idx, ring, rec_idx, **variant)
+        results.append((o, p, ring.buffers()))
+    for o, p, bufs in results[1:]:
+        assert torch.equal(p, results[0][1])
+        assert all(torch.equal(t, results[0][2][k]) for k, t in bufs.items() if k != "u")
+        torch.testing.assert_close(bufs["u"], results[0][2]["u"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(o.float(), results[0][0].float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
@@ -265,7 +297,8 @@ def test_request_count_is_not_a_compile_time_constant():
     """No kernel takes the request count as a constexpr; the request count ``N`` (the order program's and
     the window launch's) and the window length ``T`` are runtime integers Triton must not specialise."""
     for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
-                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, set())):
+                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, set()),
+                         (replay_write_through_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty
                        for name in ("N", "B", "batch", "num_requests") if name in params)

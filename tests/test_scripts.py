@@ -74,7 +74,8 @@ import bench_replay  # noqa: E402
 @pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
                                  ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
                                  ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
-                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"]])
+                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
+                                 ["--variants", "16x1:through"], ["--variants", "served:through:inorder"]])
 def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
     monkeypatch.setattr(bench_replay.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as exc:
@@ -96,6 +97,9 @@ def test_bench_replay_variants_name_the_launch_options():
         ("served", {}), ("served:inorder", dict(fold_first=False)),
         ("16x1:k128:s2", dict(block_v=16, num_warps=1, block_k=128, num_stages=2)),
         ("64x1:k32:s4:w2", dict(block_v=64, num_warps=1, block_k=32, num_stages=4, window_warps=2))]
+    assert bench_replay.parse_variants(p, ["served:through", "served:nothrough", "16x1:nothrough"]) == [
+        ("served:through", dict(write_through=True)), ("served:nothrough", dict(write_through=False)),
+        ("16x1:nothrough", dict(block_v=16, num_warps=1, write_through=False))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():
@@ -200,15 +204,19 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
             regs, spills = (int(x) for x in cell.split("/"))
             assert 16 <= regs <= 255 and spills >= 0
     proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "16x1", "--draft-tokens", "1",
-                "--one-launch", env=env)
+                "--one-launch", "--write-through", env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     header, _, row = proc.stdout.strip().splitlines()[-3:]
-    assert "one-launch kernel regs / spills" in header and len(row.split("|")) == 10
+    assert "one-launch kernel regs / spills" in header and "write-through kernel regs / spills" in header
+    assert len(row.split("|")) == 11
+    regs, spills = (int(x) for x in row.split("|")[-2].split("/"))
+    assert 16 <= regs <= 255 and spills == 0, "the write-through holds SGLang's decode tile without spilling"
 
 
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
                                  ["--tilings", "medium"], ["--histories", "12"],
-                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"]])
+                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"],
+                                 ["--write-through", "--draft-tokens", "2"]])
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
         kernel_registers.main(bad)

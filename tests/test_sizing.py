@@ -65,13 +65,14 @@ def test_design_compact_figure():
 
 
 @pytest.mark.parametrize("length,exact,kib", [
-    (16, 32768 + 32 * 2052 + 16, 96.14),
-    (32, 32768 + 64 * 2052 + 16, 160.27),
-    (64, 32768 + 128 * 2052 + 16, 288.52),
+    (16, 32768 + 32 * 2052 + 20, 96.14),
+    (32, 32768 + 64 * 2052 + 20, 160.27),
+    (64, 32768 + 128 * 2052 + 20, 288.52),
 ])
 def test_design_replay_figures(length, exact, kib):
-    """DESIGN §3's replay figures plus 8 B: beside its 8 B of cursor the served ring keeps a fold counter
-    and fault flags per slot and layer (DESIGN §7), so each figure is 0.01 KiB above the document's."""
+    """DESIGN §3's replay figures plus 12 B: beside its 8 B of cursor the served ring keeps a fold counter,
+    fault flags (DESIGN §7) and the write-through's tickets per slot and layer, so each figure is 0.01 KiB above
+    the document's."""
     got = kda_head(kda_cfg("replay", length=length))
     assert got == exact
     assert round(got / KIB, 2) == kib
@@ -117,11 +118,11 @@ def test_gqa_keys_counted_per_key_head():
     assert compact.conv == 320 * 3 * 2 and compact.conv_scratch == 320 * 5 * 2
     replay = layer_bytes(GQA, SSMModeConfig(mode="replay", replay_history=8, draft_tokens=3,
                                             state_dtype=fp32))
-    # replay record: 640 + u HV*V*4 = 1024 + normalised k HK*K*4 = 128 -> 1792; 16 records + 16, per slot
-    assert replay.history == 16 * 1792 + 16 and replay.scratch == 0
+    # replay record: 640 + u HV*V*4 = 1024 + normalised k HK*K*4 = 128 -> 1792; 16 records + 20, per slot
+    assert replay.history == 16 * 1792 + 20 and replay.scratch == 0
     assert replay.slot_bytes == replay.state + replay.conv + replay.history
     # counting k per value head instead would give 16 * (1792 + 6*16*6) + 16
-    assert replay.history != 16 * (1792 + 6 * 16 * 6) + 16
+    assert replay.history != 16 * (1792 + 6 * 16 * 6) + 20
     tree = layer_bytes(GQA, SSMModeConfig(mode="replay", replay_history=8, draft_tokens=3, state_dtype=fp32),
                        eagle_topk=2)
     assert tree.scratch == 3 * 640 and tree.conv_scratch == 3 * 320 * 3 * 2  # compact's records, dense window
@@ -326,7 +327,7 @@ def test_cli_json(capsys):
     assert compact["scratch_bytes"] == 20 * 4 * 16 * 1028 and compact["history_bytes"] == 0
     assert compact["conv_bytes"] == 20 * (6144 * 3 * 2 + 4 * 6144 * 3 * 2)
     replay = report["rows"][2]
-    assert replay["history_bytes"] == 20 * (32 * 16 * (1028 + 512 + 512) + 16)
+    assert replay["history_bytes"] == 20 * (32 * 16 * (1028 + 512 + 512) + 20)
     assert compact["max_running_requests"] == 20 * GIB // compact["total_bytes"]
 
 

@@ -10,7 +10,8 @@ native         SGLang                  SGLang                      SGLang (GDN);
                                                                    SGLang 0.5.14 cannot verify)
 compact        SGLang                  SGLang                      output-only + records
 replay         output-only + record    fold history, then SGLang   chain: output-only + records;
-                                                                   tree: compact's path
+               (small batches:                                     tree: compact's path
+               write-through)
 =============  =====================  ==========================  =============================
 
 The conv window is SGLang's everywhere (its ``causal_conv1d_update`` / ``causal_conv1d_fn`` and,
@@ -30,7 +31,7 @@ import torch
 from ..acceptance import StateAcceptance
 from ..ops.compact import FAST_VERIFY_TILE, compact_verify
 from ..ops.native import native_verify
-from ..ops.replay import advance, clear_history, fold_into_checkpoints, replay_fold, replay_verify
+from ..ops.replay import clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify
 from ..pool import ModeMambaPool
 
 
@@ -111,9 +112,10 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
 
 
 def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b, kda: bool) -> torch.Tensor:
-    """Plain decode in replay mode: SGLang's conv update, then the output of one token from checkpoint
-    + history, its record appended and the cursor moved by one; extra_buffer tracking materialises the
-    tracked requests' states into their track slots."""
+    """Plain decode in replay mode: SGLang's conv update, then :func:`~..ops.replay.replay_decode` — the
+    output of one token from checkpoint + history, its record appended and the cursor moved by one, or (small
+    batches) the token written through to the checkpoint as SGLang's decode writes it; extra_buffer tracking
+    materialises the tracked requests' states into their track slots."""
     md = backend.forward_metadata
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
@@ -126,9 +128,8 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     ssm = cache.temporal
     # the decode SGLang would run: its GDN packed kernel rounds beta to b's dtype (the others do not)
     packed = getattr(backend.kernel_dispatcher, "supports_packed_decode", False)
-    o = replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
-                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)  # fused fold where full
-    advance(ring, indices, 1, window=1)
+    o = replay_decode(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
+                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)  # cursor settled
     if forward_batch.mamba_track_mask is not None:
         _track_decode(backend, cache, ring, indices, forward_batch, kda)
     return o

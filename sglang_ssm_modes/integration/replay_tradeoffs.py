@@ -14,6 +14,7 @@ import logging
 import torch
 
 from ..config import SSMModeConfig, dtype_name
+from ..ops.replay.decode import write_through_max_requests
 
 OFFICIAL = "bench/results/replay_h200.md, commit 34d5527"
 SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 32, 64)},
@@ -22,20 +23,18 @@ SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 3
 """Where the figures of each ``(family, history)`` come from (GDN's cells of 1 and 8 requests at L = 32 and 64,
 as served now, from a later run than the rest: ratios within one run each, not across)."""
 
-DECODE = {
-    ("gdn", 16): ("plain decode 0.60-0.89x native below 64 running requests, 1.17-1.25x from 64 to 256", False),
-    ("kda", 16): ("plain decode 0.41-0.85x native below 64 running requests, 1.01-1.10x from 64 to 256", False),
-    ("gdn", 32): ("plain decode 0.57x native at 1 and 8 running requests, 0.79-0.83x at 32-64, 1.10-1.12x at "
-                  "128-256", False),
-    ("kda", 32): ("plain decode 0.44-0.85x native at 1-256 running requests", True),
-    ("gdn", 64): ("plain decode 0.42-0.85x native at 1-256 running requests (1 and 8 measured: 0.42x, 0.47x)",
-                  True),
-    ("kda", 64): ("plain decode 0.42-0.59x native at 1-256 running requests", True),
+OUTPUT_ONLY_DECODE = {
+    ("gdn", 16): "1.17-1.25x native from 64 to 256 running requests",
+    ("kda", 16): "1.01-1.10x native from 64 to 256 running requests",
+    ("gdn", 32): "1.10-1.12x native at 128-256 running requests",
 }
-"""Plain decode (float32 state) per ``(family, history)``: the sentence, and whether replay was slower than
-native at every batch measured. Below 64 requests a replay step is launch-bound, not byte-bound: SGLang's
-decode is one launch, ours one (a GDN window of at most 8 tokens over at most 16 records) or two (window,
-output), plus the cursor's. At L = 64 the window launch reads up to 64 history keys per head."""
+"""Plain decode (float32 state) per ``(family, history)`` where it is served output-only (from
+``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there. Below that bound, and at
+every batch where output-only decode was measured slower than native everywhere (KDA L = 32, L = 64: 0.42-0.85x;
+below 64 requests a replay step is launch-bound: SGLang's decode is one launch, the output-only path one or two
+plus the cursor's), the decode writes through — SGLang's decode work in one launch."""
+WRITE_THROUGH = ("a write-through is SGLang's decode (one launch, the state read and written; its arithmetic, to "
+                 "float32 rounding) plus the fold of any pending history — not yet timed against native")
 
 VERIFY = {
     ("gdn", 16): ("a D = 4 speculative round 0.92-0.99x native below 32 requests, 1.63-2.05x from 32 to 256", False),
@@ -47,16 +46,33 @@ VERIFY = {
                   False),
     ("kda", 64): ("a D = 4 speculative round 0.81-0.95x native below 128 requests, 1.08-1.09x at 128-256", False),
 }
-"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``, as :data:`DECODE` (same keys)."""
+"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``: the sentence, and whether replay
+was slower than native at every batch measured."""
 
-LOW_PRECISION = ("with a {dtype} state replay's kernels were slower than native's at most batches measured "
-                 "(L = 16, a bfloat16 state: plain decode 0.48-0.89x (GDN) and 0.26-0.74x (KDA) at every batch, a "
-                 "D = 4 round 0.75-0.80x (GDN) and 0.62x (KDA) below 32 requests, 1.14-1.50x and 1.06-1.33x from "
-                 "32; bench/results/replay_h200.md; float16 not measured): native's 2-byte state moves half the "
-                 "bytes of a float32 one, replay's history reads do not shrink. What replay gives there is a "
-                 "checkpoint rounded once per fold (bench/results/replay/drift_20261203: a third to a half of "
-                 "native's drift over 10 000 tokens). For speed pass --mamba-ssm-dtype float32; for memory, "
-                 "--ssm-state-mode compact")
+LOW_PRECISION = ("with a {dtype} state plain decode writes through at every batch (output-only decode was "
+                 "measured slower than native everywhere with a bfloat16 state: 0.48-0.89x GDN, 0.26-0.74x KDA at "
+                 "L = 16; bench/results/replay_h200.md): " + WRITE_THROUGH + "; the state then rounds after "
+                 "every token, as native's does. A checkpoint rounded once per fold (bench/results/replay/"
+                 "drift_20261203: a third to a half of native's drift over 10 000 tokens) stays with speculative "
+                 "rounds")
+LOW_PRECISION_VERIFY = ("with a {dtype} state a D = 4 speculative round was slower than native below 32 requests "
+                        "(L = 16, bfloat16: 0.75-0.80x GDN, 0.62x KDA) and faster from 32 (1.14-1.50x GDN, "
+                        "1.06-1.33x KDA; float16 not measured): native's 2-byte state moves half the bytes of a "
+                        "float32 one, replay's history reads do not shrink. For speed pass --mamba-ssm-dtype "
+                        "float32; for memory, --ssm-state-mode compact")
+
+
+def decode_sentence(family: str, history: int) -> str:
+    """How a float32 replay pool of this family and history serves plain decode, with the measured ratio of its
+    output-only range (:data:`OUTPUT_ONLY_DECODE`)."""
+    most = write_through_max_requests(family == "kda", history, torch.float32)
+    if most is None:
+        return ("plain decode writes through at every batch (output-only decode was measured slower than native "
+                "at every batch for this history): " + WRITE_THROUGH)
+    measured = "" if history >= 16 else " (measured at L = 16)"
+    return (f"plain decode writes through below {most + 1} requests per step, counting a CUDA graph's padding "
+            f"({WRITE_THROUGH}); output-only from {most + 1}: {OUTPUT_ONLY_DECODE[(family, max(history, 16))]}"
+            f"{measured}")
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
@@ -68,20 +84,26 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
     if cfg.mode != "replay":
         return []
     where = f"{family.upper()}, L = {cfg.replay_history}"
+    spec_chain = cfg.draft_tokens > 1 and not tree_verify
     if state_dtype != torch.float32:
-        return [(logging.WARNING, "replay " + LOW_PRECISION.format(dtype=dtype_name(state_dtype)))]
+        name = dtype_name(state_dtype)
+        return ([(logging.INFO, f"replay ({where}) " + LOW_PRECISION.format(dtype=name))]
+                + ([(logging.WARNING, "replay " + LOW_PRECISION_VERIFY.format(dtype=name))] if spec_chain else []))
     key = (family, cfg.replay_history)
-    if key not in DECODE:
-        measured = sorted({L for _, L in SOURCES})
-        return [(logging.INFO, f"replay ({where}): speed against native not measured for this history "
-                               f"(measured: L = {', '.join(map(str, measured))})")]
-    out = []
-    for text, slower_everywhere in [DECODE[key]] + ([VERIFY[key]] if cfg.draft_tokens > 1 and not tree_verify else []):
-        text += f" ({SOURCES[key]})"
-        if slower_everywhere:
-            text += ": slower than native at every batch measured (L = 16 is the fastest history)"
-        out.append((logging.WARNING if slower_everywhere else logging.INFO,
-                    f"replay kernels against native ({where}, float32 state, H200): {text}"))
+    out = [(logging.INFO, f"replay kernels against native ({where}, float32 state, H200): "
+                          f"{decode_sentence(family, cfg.replay_history)} ({OFFICIAL})")]
+    if spec_chain:
+        if key in VERIFY:
+            text, slower_everywhere = VERIFY[key]
+            text += f" ({SOURCES[key]})"
+            if slower_everywhere:
+                text += ": slower than native at every batch measured (L = 16 is the fastest history)"
+            out.append((logging.WARNING if slower_everywhere else logging.INFO,
+                        f"replay kernels against native ({where}, float32 state, H200): {text}"))
+        else:
+            measured = sorted({L for _, L in SOURCES})
+            out.append((logging.INFO, f"replay ({where}): a speculative round's speed against native not measured "
+                                      f"for this history (measured: L = {', '.join(map(str, measured))})"))
     if cfg.draft_tokens > 1 and tree_verify:
         out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
     return out

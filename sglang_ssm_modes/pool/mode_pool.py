@@ -179,8 +179,9 @@ class ModeMambaPool(MambaPool):
 
     @property
     def decode_path(self) -> str:
-        """The kernels a plain decode of this pool runs: ``replay`` (output-only, against checkpoint +
-        history) or ``native`` (SGLang's decode kernel: native and compact)."""
+        """The kernels a plain decode of this pool runs: ``replay`` (:func:`~..ops.replay.replay_decode`: output-only
+        against checkpoint + history, or written through for small batches) or ``native`` (SGLang's decode kernel:
+        native and compact)."""
         return "replay" if self.mode == "replay" else "native"
 
     @property

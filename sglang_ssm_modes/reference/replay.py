@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .gating import GateParams, LinearAttnInputs, expand_key_heads, l2norm, prepare
-from .native import delta_rule_step
+from .native import decode, delta_rule_step
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,16 @@ def fold(checkpoint: torch.Tensor, records: ReplayRecords, compute_dtype: torch.
     for t in range(records.num_tokens):
         h, _, _ = delta_rule_step(h, None, k[:, t], v[:, t], g[:, t], beta[:, t])
     return h.to(checkpoint.dtype)
+
+
+def write_through(checkpoint: torch.Tensor, records: ReplayRecords | None, inputs: LinearAttnInputs,
+                  params: GateParams, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write-through decode of one token per request (``inputs`` T = 1): the history (None: empty) replayed
+    as the fold replays it (:func:`fold`), then the token as native decode applies it (:func:`~.native.decode`),
+    in ``compute_dtype`` throughout, rounded once to the checkpoint's dtype. Returns ``(o [N, 1, HV, V] in
+    compute_dtype, new checkpoint [N, HV, V, K])``; the history is empty afterwards."""
+    h = checkpoint.to(compute_dtype)
+    if records is not None:
+        h = fold(h, records, compute_dtype)
+    o, h = decode(h, inputs, params, compute_dtype)
+    return o, h.to(checkpoint.dtype)

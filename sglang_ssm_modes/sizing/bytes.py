@@ -12,8 +12,8 @@ What each mode holds per request and linear layer, as the served pool allocates 
 * ``compact``: S and the conv window per slot; a running request adds D records and, like native,
   the conv-window scratch. A record is raw k (per *key* head) and raw v in the activation dtype, the
   decay (fp32; 1 value per value head for GDN, K for KDA) and β (fp32).
-* ``replay``: the S checkpoint, the conv window, and a ring of 2·L records plus 16 B of cursor and
-  counters per pool slot (the history belongs to the slot: a radix-cache checkpoint slot keeps its own); a
+* ``replay``: the S checkpoint, the conv window, and a ring of 2·L records plus 20 B of cursor,
+  counters and tickets per pool slot (the history belongs to the slot: a radix-cache checkpoint slot keeps its own); a
   running request adds the conv-window scratch when speculating, and compact's D records when the
   verify is a tree (replay routes trees through compact). A record is u (V, fp32), the normalised k
   (K, fp32, per key head), the decay, raw k, raw v and β.
@@ -32,9 +32,9 @@ import torch
 from ..config import SSMModeConfig
 from .shapes import LinearAttnShape, local_shape
 
-SLOT_WORDS_BYTES = 16
+SLOT_WORDS_BYTES = 20
 """Replay's int32 words per request and layer beside the records: the cursor (count, phase), the fold
-counter and the fault flags (:class:`~sglang_ssm_modes.ops.replay.ReplayRing`)."""
+counter, the fault flags and the write-through's tickets (:class:`~sglang_ssm_modes.ops.replay.ReplayRing`)."""
 
 FP32 = 4
 
@@ -109,7 +109,8 @@ def value_head_bytes(cfg: SSMModeConfig, *, family: str, head_k_dim: int, head_v
     """DESIGN §3's per-value-head figure (one request, one layer, one value head, HK == HV).
 
     native (SGLang-style): (1 + D) states when D > 1, else 1 state. compact: 1 state + D records.
-    replay: 1 state + 2·L records + the 16 B of cursor and counters (per request and layer, counted once here).
+    replay: 1 state + 2·L records + the 20 B of cursor, counters and tickets (per request and layer, counted once
+    here).
     The conv window is not included (it is common to all modes).
     """
     state = head_v_dim * head_k_dim * _itemsize(cfg.state_dtype)

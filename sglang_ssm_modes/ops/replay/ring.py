@@ -42,7 +42,14 @@ class ReplayRing:
     * ``count`` ``[R]`` int32: committed records since the checkpoint; ``phase`` ``[R]`` int32 (0 or 1):
       the half holding them (the cursor);
     * ``folds`` ``[R]`` int32: folds of the slot so far; ``faults`` ``[R]`` int32: :data:`FAULT_NONFINITE` /
-      :data:`FAULT_OVERFLOW` bits. With the cursor, 16 bytes per request and layer.
+      :data:`FAULT_OVERFLOW` bits;
+    * ``tickets`` ``[R]`` int32: how many programs of a write-through that folds this slot have read its cursor,
+      modulo their number (:func:`~.decode.replay_write_through_kernel`: the last one empties the cursor). 0
+      between launches whose record slots are distinct, as a served batch's are; a batch repeating a slot
+      (CUDA-graph capture runs every row on SGLang's dummy slot, which no request is given) can leave it
+      nonzero there, and a nonzero count would make the slot's next write-through empty its cursor too early —
+      :meth:`cleared_words` resets it, as every slot SGLang hands to a request is cleared first. With the cursor,
+      20 bytes per request and layer.
     """
 
     u: torch.Tensor
@@ -55,6 +62,7 @@ class ReplayRing:
     phase: torch.Tensor
     folds: torch.Tensor
     faults: torch.Tensor
+    tickets: torch.Tensor
 
     @staticmethod
     def allocate(slots: int, history: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
@@ -72,7 +80,8 @@ class ReplayRing:
             count=torch.zeros(slots, dtype=torch.int32, device=device),
             phase=torch.zeros(slots, dtype=torch.int32, device=device),
             folds=torch.zeros(slots, dtype=torch.int32, device=device),
-            faults=torch.zeros(slots, dtype=torch.int32, device=device))
+            faults=torch.zeros(slots, dtype=torch.int32, device=device),
+            tickets=torch.zeros(slots, dtype=torch.int32, device=device))
 
     @property
     def history(self) -> int:
@@ -84,9 +93,9 @@ class ReplayRing:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def cleared_words(self) -> tuple[torch.Tensor, ...]:
-        """The per-slot words an emptied history resets to 0: cursor (``count``, ``phase``) and ``faults``
-        (they belong to the history; ``folds`` is cumulative and stays). Slot axis last."""
-        return self.count, self.phase, self.faults
+        """The per-slot words an emptied history resets to 0: cursor (``count``, ``phase``), ``faults`` and
+        ``tickets`` (they belong to the history; ``folds`` is cumulative and stays). Slot axis last."""
+        return self.count, self.phase, self.faults, self.tickets
 
 
 @triton.jit

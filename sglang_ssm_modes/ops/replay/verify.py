@@ -599,7 +599,9 @@ against 12.3 µs, bfloat16 9.1 against 11.9) and slower for 8 (float32 24.8 agai
 at L = 64 it is slower everywhere (decode batch 1 18.4 against 14.2, batch 8 55.2 against 26.6; D = 4 batch 8
 247.9 against 45.3)."""
 ONE_TOKEN_MAX_HISTORY = 32
-"""The longest history a one-token GDN window (decode of one request) is served for in one launch."""
+"""The longest history a one-token GDN window (output-only decode of one request) runs in one launch for. A
+served plain decode of so few requests writes through instead (:mod:`.decode`); this is the output-only path's
+choice (``replay_decode(write_through=False)``, the drift study)."""
 
 
 def served_launches(tokens: int, is_kda: bool, history: int) -> int:

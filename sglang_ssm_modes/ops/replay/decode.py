@@ -1,0 +1,183 @@
+"""Replay-mode plain decode (one token per request), served one of two ways:
+
+* **output-only** (:func:`~.verify.replay_verify` with T = 1, then :func:`~.ring.advance`): the token's output
+  from checkpoint + history, its record appended, the checkpoint only read — replay's point, paying where
+  the state's bytes bound the step (many requests);
+* **write-through** (:func:`replay_write_through_kernel`): the request's pending history folded and the token
+  applied to the checkpoint in one launch, as SGLang's decode kernels apply it (tile, warps and op order of
+  its generic ``fused_sigmoid_gating_delta_rule_update``; its packed CUDA kernels hold the tile transposed),
+  the checkpoint written back and the history left empty — native's bytes and native's one launch, for
+  batches where launches and latency, not bytes, bound the step and output-only was measured slower than
+  native (:func:`write_through_max_requests`).
+
+Both leave the same committed state (with a float32 state the write-through's is SGLang's generic decode bit
+for bit and its packed decode to float32 rounding; the output-only path's once folded, too), so a server may
+switch between them from one step to the next (the batch crossing the bound): a request arriving at a
+write-through with records folds them first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..delta_rule_step import apply_records, delta_rule_update, gate_and_beta, l2normalize
+from .ring import ReplayRing, advance, flag_nonfinite
+from .verify import replay_verify, window_cursor
+
+
+@triton.jit
+def replay_write_through_kernel(
+    A_log, a, dt_bias, q, k, v, b, o, h0_source, h0_indices,
+    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, r_tickets, rec_indices,
+    softplus_beta, softplus_threshold, scale, stride_a, stride_q, stride_k, stride_v, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
+    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
+):
+    """Grid ``(cdiv(V, BV), N * HV)``, one program per ``[K, BV]`` tile of a request's value head, as SGLang's
+    decode. Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
+    (KDA), ``b`` ``[1, N, HV]`` (activation dtype); ``o`` ``[1, N, HV, V]``; checkpoints ``h0_source``
+    ``[slots, HV, V, K]`` (any float dtype) at ``h0_indices`` ``[N]``; ring buffers and cursor words as
+    :class:`~.ring.ReplayRing` at ``rec_indices`` ``[N]`` (distinct). ``K`` a power of two.
+
+    A real row (both indices non-negative) loads its checkpoint tile in float32, replays the ``count``
+    records of its history (:func:`~..delta_rule_step.apply_records`, the fold's op order), applies the token
+    (:func:`~..delta_rule_step.delta_rule_update`), stores the output ``h . q`` and the tile rounded to the
+    checkpoint's dtype. A request that had records (``count > 0``) is a fold: the result is checked
+    (:func:`~.ring.flag_nonfinite`) and its cursor emptied with no launch of its own — each of its
+    ``P = HV * cdiv(V, BV)`` programs, once it has read the cursor, draws a ticket (an acquire-release atomic
+    add on the slot's ``tickets``); the one that draws ticket ``P - 1`` (mod P), when every program has read it,
+    takes the P tickets back (an atomic subtraction: the word is 0 again), writes ``count = 0``, flips
+    ``phase`` and counts the fold. Where a batch repeats a slot (CUDA-graph capture runs every row on SGLang's
+    dummy slot) the rows race on it, as SGLang's own decode does, but its cursor words only ever hold values a
+    cursor can hold (no later launch reads past the ring) and ``tickets`` may stay nonzero until the slot is
+    cleared (:class:`~.ring.ReplayRing`). Padding rows write nothing (their output: from a zero state)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    idx, r_safe, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, 1, L, False)
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :] & valid
+    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+    b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, r_safe * 2 * L + phase.to(tl.int64) * L, c, i_h, i_hv,
+                        o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
+
+    b_q = tl.load(q + i_n * stride_q + i_h * K + o_k).to(tl.float32)
+    b_k = tl.load(k + i_n * stride_k + i_h * K + o_k).to(tl.float32)
+    b_v = tl.load(v + i_n * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    if IS_KDA:
+        p_a, p_dt_bias = a + i_n * stride_a + i_hv * K + o_k, dt_bias + i_hv * K + o_k
+    else:
+        p_a, p_dt_bias = a + i_n * stride_a + i_hv, dt_bias + i_hv
+    b_g, b_beta = gate_and_beta(A_log + i_hv, p_a, p_dt_bias, b + i_n * stride_b + i_hv, mask_k, softplus_beta,
+                                softplus_threshold, IS_KDA, BETA_ACTIVATED)
+    if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
+        b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+    b_q = l2normalize(b_q) * scale
+    b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
+    b_o = tl.sum(b_h * b_q[:, None], 0)
+    tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    b_out = b_h.to(p_h0.dtype.element_ty)
+    tl.store(p_h0, b_out, mask=mask_h)
+
+    if c > 0:  # a fold: check it, and the last program of the request to read the cursor empties the history
+        flag_nonfinite(r_faults, r_safe, b_out.to(tl.float32))
+        programs = HV * ((V + BV - 1) // BV)
+        if tl.atomic_add(r_tickets + r_safe, 1, sem="acq_rel") % programs == programs - 1:
+            tl.atomic_add(r_tickets + r_safe, -programs, sem="relaxed")
+            tl.store(r_count + r_safe, 0)
+            tl.store(r_phase + r_safe, 1 - phase)
+            tl.store(r_folds + r_safe, tl.load(r_folds + r_safe) + 1)
+
+
+WRITE_THROUGH_BLOCK_V = 32
+"""Value columns per write-through program: SGLang 0.5.14's decode tile (``BV = min(V, 32)`` on one warp,
+three stages), so that its bytes, programs and bits are native's."""
+
+
+def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor,
+                         state_indices: torch.Tensor, ring: ReplayRing, record_indices: torch.Tensor, *,
+                         is_kda: bool, beta_activated: bool = False, scale: float | None = None,
+                         round_beta: bool = False) -> torch.Tensor:
+    """Write-through decode of ``N = len(state_indices)`` requests, one token each (inputs as
+    :func:`~.verify.replay_verify` with T = 1): each real request's history folded, its token applied to its
+    checkpoint, the checkpoint written and the cursor emptied (where it was not already) — one launch, no
+    host sync, no allocation but ``o``. Returns ``o`` ``[1, N, HV, V]``."""
+    _, t_all, hk, kdim = k.shape
+    hv, vdim = v.shape[2], v.shape[3]
+    n = state_indices.shape[0]
+    if t_all != n:
+        raise ValueError(f"a write-through decode takes one token per request: {t_all} tokens for {n} requests")
+    if triton.next_power_of_2(kdim) != kdim:
+        raise ValueError(f"head_k_dim {kdim} must be a power of two")
+    BV = min(triton.next_power_of_2(vdim), WRITE_THROUGH_BLOCK_V)
+    o = q.new_empty(1, n, hv, vdim)
+    replay_write_through_kernel[(triton.cdiv(vdim, BV), n * hv)](
+        A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
+        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.folds, ring.faults, ring.tickets,
+        record_indices,
+        1.0, 20.0, kdim ** -0.5 if scale is None else scale,
+        a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
+        H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
+        ROUND_BETA=round_beta, num_warps=1, num_stages=3)
+    return o
+
+
+WRITE_THROUGH_BELOW = {("gdn", 16): 64, ("kda", 16): 64, ("gdn", 32): 128, ("kda", 32): None,
+                       ("gdn", 64): None, ("kda", 64): None}
+"""Per ``(family, history)`` with a float32 state: the request count from which output-only decode serves
+(None: never — write-through at every batch). From the output-only path's measured ratios against SGLang's
+decode on the H200 (bench/results/replay_h200.md, commit 34d5527, float32): GDN L = 16 0.89x at 32 requests,
+1.17x at 64; KDA L = 16 0.85x at 32, 1.01x at 64; GDN L = 32 0.79-0.83x at 32-64, 1.10x at 128; KDA L = 32 and
+both at L = 64 slower than native at every batch (0.42-0.85x). A history of L < 16 takes L = 16's bound."""
+
+
+def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
+    """The most requests a served plain decode writes through (:data:`WRITE_THROUGH_BELOW`), None for every
+    batch: a 2-byte state (bfloat16, float16) writes through at every batch — native's 2-byte state moves half
+    the bytes a float32 one does, and output-only decode was measured slower than native at every batch with a
+    bfloat16 state (L = 16: 0.48-0.89x GDN, 0.26-0.74x KDA; bench/results/replay_h200.md)."""
+    if state_dtype.itemsize < 4:
+        return None
+    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16))]
+    return None if below is None else below - 1
+
+
+def serves_write_through(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
+    """Whether a served plain decode of ``requests`` requests writes through
+    (:func:`write_through_max_requests`)."""
+    most = write_through_max_requests(is_kda, history, state_dtype)
+    return most is None or requests <= most
+
+
+def replay_decode(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
+                  ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
+                  scale: float | None = None, round_beta: bool = False, write_through: bool | None = None,
+                  **verify_options) -> torch.Tensor:
+    """Plain decode of one token per request, cursor settled: :func:`replay_write_through` where
+    ``write_through`` (default :func:`serves_write_through` for this batch), else :func:`~.verify.replay_verify`
+    (``verify_options``: its keywords; the fold fused unless ``fused_fold=False``, when the caller folds first),
+    then ``advance(ring, record_indices, 1, window=1)`` (``window=0`` without the fused fold). Returns ``o``
+    ``[1, N, HV, V]``."""
+    n = state_indices.shape[0]
+    if write_through is None:
+        write_through = serves_write_through(n, is_kda, ring.history, checkpoints.dtype)
+    common = dict(is_kda=is_kda, beta_activated=beta_activated, scale=scale, round_beta=round_beta)
+    if write_through:
+        if verify_options:
+            raise ValueError(f"{sorted(verify_options)}: options of the output-only path, not of a write-through")
+        return replay_write_through(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices,
+                                    **common)
+    o = replay_verify(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, **common,
+                      **verify_options)
+    advance(ring, record_indices, 1, window=1 if verify_options.get("fused_fold", True) else 0)
+    return o
