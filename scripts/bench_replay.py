@@ -112,12 +112,14 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
         verify_kw = {key: value for key, value in variant.items() if key != "write_through"}
+        through = writes_through(variant)
+        decode_kw = {} if through else verify_kw
 
         def step(r):
             if d == 1:  # the served plain decode (cursor settled inside)
                 replay_decode(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
-                              ring, groups[r], is_kda=is_kda, round_beta=round_beta,
-                              write_through=writes_through(variant), **({} if writes_through(variant) else verify_kw))
+                              ring, groups[r], is_kda=is_kda, round_beta=round_beta, write_through=through,
+                              **decode_kw)
                 return
             replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
                           groups[r], is_kda=is_kda, round_beta=round_beta, **verify_kw)

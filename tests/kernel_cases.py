@@ -14,6 +14,16 @@ from sglang_ssm_modes.reference.random_layer import random_gate_params, random_i
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def ring_snapshot(ring):
+    """A copy of every buffer of a :class:`~sglang_ssm_modes.ops.replay.ReplayRing`, by name."""
+    return {name: t.clone() for name, t in ring.buffers().items()}
+
+
+def compiled_variants(jit) -> int:
+    """How many variants of a Triton kernel have been compiled on any device so far."""
+    return sum(len(cache[0]) for cache in jit.device_caches.values())
+
+
 def make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed):
     g = torch.Generator().manual_seed(seed)
     params = random_gate_params(family, hv, kdim, g)

@@ -8,7 +8,8 @@ import inspect
 import pytest
 import torch
 
-from kernel_cases import DEVICE, flat_inputs, make_case, random_tree_parents, sglang_native_round, to_device
+from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, random_tree_parents, sglang_native_round,
+                          to_device)
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
 from sglang_ssm_modes.ops.compact.commit import compact_commit_kernel
 from sglang_ssm_modes.ops.verify_window import verify_window_kernel
@@ -140,10 +141,6 @@ def test_other_verify_tiles_record_the_same_and_commit_bit_identically(tile):
     assert torch.equal(pool_t, pool_nat)
 
 
-def _compiled_variants(jit) -> int:
-    return sum(len(cache[0]) for cache in jit.device_caches.values())
-
-
 @pytest.mark.gpu
 def test_request_counts_1_to_511_compile_each_kernel_once():
     """Request counts run through 1..511: the verify and commit kernels compile once per shape
@@ -155,14 +152,14 @@ def test_request_counts_1_to_511_compile_each_kernel_once():
     rec = CompactRecordBuffers.allocate(511, d, hk, hv, 16, 32, False, torch.bfloat16, DEVICE)
     idx = torch.arange(511, dtype=torch.int32, device=DEVICE)
     last = torch.full((511,), d - 1, dtype=torch.int64, device=DEVICE)
-    before = (_compiled_variants(verify_window_kernel), _compiled_variants(compact_commit_kernel))
+    before = (compiled_variants(verify_window_kernel), compiled_variants(compact_commit_kernel))
     for n in range(1, 512):
         t = slice(0, n * d)
         compact_verify(params.A_log.to(DEVICE), inp["a"][t], params.dt_bias.to(DEVICE), inp["q"][:, t], inp["k"][:, t],
                        inp["v"][:, t], inp["b"][:, t], pool, idx[:n], rec, idx[:n], is_kda=False)
         compact_commit(pool, idx[:n], rec, idx[:n], last[:n], is_kda=False)
     torch.cuda.synchronize()
-    after = (_compiled_variants(verify_window_kernel), _compiled_variants(compact_commit_kernel))
+    after = (compiled_variants(verify_window_kernel), compiled_variants(compact_commit_kernel))
     assert (after[0] - before[0], after[1] - before[1]) in {(1, 1), (0, 0)}, (before, after)
 
 

@@ -7,7 +7,8 @@ import inspect
 import pytest
 import torch
 
-from kernel_cases import DEVICE, call_replay_verify, flat_inputs, make_case, sglang_decode, to_device
+from kernel_cases import (DEVICE, call_replay_verify, compiled_variants, flat_inputs, make_case, ring_snapshot,
+                          sglang_decode, to_device)
 
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
@@ -21,10 +22,6 @@ from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
 SHAPES = [("gdn", 2, 4, 16, 32), ("kda", 2, 2, 16, 32)]
-
-
-def _ring_snapshot(ring):
-    return {name: t.clone() for name, t in ring.buffers().items()}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -65,7 +62,7 @@ def test_replay_rounds_match_float64_native_over_several_folds(shape):
                 _, s = decode(truth[i:i + 1], row, params, torch.float64)
                 truth[i] = s[0]
         # materialise every request into another pool: checkpoint, ring and cursors untouched
-        snap, pool_before = _ring_snapshot(ring), pool.clone()
+        snap, pool_before = ring_snapshot(ring), pool.clone()
         replay_fold(pool, state_idx.to(DEVICE), ring, rec_idx, torch.ones(n, dtype=torch.bool, device=DEVICE),
                     is_kda=family == "kda", dst=mat_pool, dst_indices=torch.arange(n, device=DEVICE))
         assert torch.equal(pool, pool_before)
@@ -113,8 +110,8 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
 @pytest.mark.parametrize("family,hk,hv,d,L", [("gdn", 2, 4, 3, 8), ("kda", 2, 2, 2, 4), ("gdn", 1, 1, 1, 4)])
 def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     """The verify kernel's fused fold + ``advance(window=T)``, with the output launch in fold-first order
-    (default) and in request order (on an sm90 GPU overlapping the window launch: ``pdl``), against the separate fold kernel + cursor update + verify, on the
-    same inputs round after round (accepted 0..D, padding rows, requests folding at different rounds):
+    (default) and in request order (on an sm90 GPU overlapping the window launch: ``pdl``), against the separate
+    fold kernel + cursor update + verify, on the same inputs round after round (accepted 0..D, padding rows, requests folding at different rounds):
     outputs, checkpoints, every ring buffer and the cursors bit for bit."""
     n, kdim, vdim = 5, 16, 32
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=48 + d)
@@ -307,10 +304,6 @@ def test_request_count_is_not_a_compile_time_constant():
         assert {jit.arg_names[i] if isinstance(i, int) else i for i in marked} == runtime
 
 
-def _compiled_variants(jit) -> int:
-    return sum(len(cache[0]) for cache in jit.device_caches.values())
-
-
 @pytest.mark.gpu
 def test_request_counts_1_to_511_compile_the_served_variants_once():
     """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
@@ -323,23 +316,23 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
     n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
     kernels = (replay_window_kernel, replay_output_kernel, replay_step_kernel)
     assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS) == (32, 64, 8)  # hence the counts
-    order_before = _compiled_variants(fold_order_kernel)
+    order_before = compiled_variants(fold_order_kernel)
     for d in (1, 4):
         params, x, pool, _ = make_case("gdn", n_max, d, hk, hv, kdim, vdim, torch.float32, seed=60 + d)
         inp = to_device(flat_inputs(x, "gdn", n_max, d), DEVICE)
         pool = pool.to(DEVICE)
         ring = ReplayRing.allocate(n_max, L, hk, hv, kdim, vdim, False, torch.bfloat16, DEVICE)
         idx = torch.arange(n_max, dtype=torch.int32, device=DEVICE)
-        before = [_compiled_variants(j) for j in kernels]
+        before = [compiled_variants(j) for j in kernels]
         for n in range(1, n_max + 1):
             t = slice(0, n * d)
             replay_verify(params.A_log.to(DEVICE), inp["a"][t], params.dt_bias.to(DEVICE), inp["q"][:, t],
                           inp["k"][:, t], inp["v"][:, t], inp["b"][:, t], pool, idx[:n], ring, idx[:n], is_kda=False)
             advance(ring, idx[:n], d, window=d)
         torch.cuda.synchronize()
-        after = [_compiled_variants(j) for j in kernels]
+        after = [compiled_variants(j) for j in kernels]
         assert tuple(a - b for a, b in zip(after, before)) == (2, 3, 1), (d, before, after)
-    assert _compiled_variants(fold_order_kernel) == order_before
+    assert compiled_variants(fold_order_kernel) == order_before
 
 
 def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
@@ -383,7 +376,7 @@ def test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit(family, d)
             advance(ring, rec_idx, accepted, window=d)
             return o
 
-        warm = _ring_snapshot(ring), p.clone()
+        warm = ring_snapshot(ring), p.clone()
         step()  # compile outside the capture, then restore
         torch.cuda.synchronize()
         for name, t in warm[0].items():

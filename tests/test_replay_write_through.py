@@ -8,7 +8,8 @@ import torch
 import triton
 
 from interpreter_shims import sglang_fla_on_cpu
-from kernel_cases import DEVICE, flat_inputs, make_case, sglang_decode, sglang_packed_decode, to_device
+from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, ring_snapshot, sglang_decode,
+                          sglang_packed_decode, to_device)
 
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
                                          replay_write_through)
@@ -28,10 +29,6 @@ def _decode(params, x, family, n, pool, state_idx, ring, rec_idx, write_through,
                          write_through=write_through, round_beta=round_beta)
 
 
-def _snapshot(ring):
-    return {name: t.clone() for name, t in ring.buffers().items()}
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv,kdim,vdim", CASES)
 def test_write_through_is_sglang_decode_bit_for_bit(family, hk, hv, kdim, vdim, state_dtype):
@@ -43,7 +40,7 @@ def test_write_through_is_sglang_decode_bit_for_bit(family, hk, hv, kdim, vdim, 
     native, ours = pool.to(DEVICE), pool.to(DEVICE).clone()
     ring = ReplayRing.allocate(n + 1, 4, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
     rec_idx = torch.arange(1, n + 1, dtype=torch.int32, device=DEVICE)
-    before = _snapshot(ring)
+    before = ring_snapshot(ring)
     real = (state_idx >= 0).to(DEVICE)
     for t in range(tokens):
         x = x_all.tokens(t, t + 1)
@@ -107,7 +104,7 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
         want = sglang_decode(params, x, native, state_idx[sel], family, len(rows))
         words = {name: getattr(ring, name).clone() for name in ("count", "phase", "folds")}
         checkpoints = ours.clone()
-        snap = _snapshot(ring)
+        snap = ring_snapshot(ring)
         got = _decode(params, x, family, len(rows), ours, state_idx[sel], ring, rec_idx[sel.to(DEVICE)], through)
         live = [j for j, i in enumerate(rows) if real[i]]
         if not through:  # a record each; a full history was folded first
@@ -236,10 +233,6 @@ def test_bad_calls_are_refused():
         replay_decode(*args, is_kda=False, write_through=True, block_v=16)
 
 
-def _compiled_variants(jit) -> int:
-    return sum(len(cache[0]) for cache in jit.device_caches.values())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
@@ -276,7 +269,7 @@ def test_write_through_at_real_shapes_on_the_gpu(family, hk, hv, state_dtype):
         want_packed = sglang_packed_decode(params, x, packed, state_idx, family, n)
         want = sglang_decode(params, x, native, state_idx, family, n)
         served = ours.clone()
-        ring_served = ReplayRing(**_snapshot(ring))
+        ring_served = ReplayRing(**ring_snapshot(ring))
         got = _decode(params, x, family, n, ours, state_idx, ring, rec_idx, write_through=True)
         got_served = _decode(params, x, family, n, served, state_idx, ring_served, rec_idx, write_through=True,
                              round_beta=not kda)
@@ -335,10 +328,10 @@ def test_request_counts_1_to_511_compile_the_write_through_once():
     pool = pool.to(DEVICE)
     ring = ReplayRing.allocate(n_max, 8, hk, hv, kdim, vdim, False, torch.bfloat16, DEVICE)
     idx = torch.arange(n_max, dtype=torch.int32, device=DEVICE)
-    before = _compiled_variants(replay_write_through_kernel)
+    before = compiled_variants(replay_write_through_kernel)
     for n in range(1, n_max + 1):
         replay_write_through(params.A_log.to(DEVICE), inp["a"][:n], params.dt_bias.to(DEVICE), inp["q"][:, :n],
                              inp["k"][:, :n], inp["v"][:, :n], inp["b"][:, :n], pool, idx[:n], ring, idx[:n],
                              is_kda=False)
     torch.cuda.synchronize()
-    assert _compiled_variants(replay_write_through_kernel) - before == 1
+    assert compiled_variants(replay_write_through_kernel) - before == 1

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_records, delta_rule_update, gate_and_beta, l2normalize
+from ..delta_rule_step import apply_records, beta_gate, delta_rule_update, l2normalize
 from .ring import ReplayRing, advance, flag_nonfinite
-from .verify import replay_verify, window_cursor
+from .verify import replay_verify, token_gate, window_cursor
 
 
 @triton.jit
@@ -72,12 +72,9 @@ def replay_write_through_kernel(
     b_q = tl.load(q + i_n * stride_q + i_h * K + o_k).to(tl.float32)
     b_k = tl.load(k + i_n * stride_k + i_h * K + o_k).to(tl.float32)
     b_v = tl.load(v + i_n * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-    if IS_KDA:
-        p_a, p_dt_bias = a + i_n * stride_a + i_hv * K + o_k, dt_bias + i_hv * K + o_k
-    else:
-        p_a, p_dt_bias = a + i_n * stride_a + i_hv, dt_bias + i_hv
-    b_g, b_beta = gate_and_beta(A_log + i_hv, p_a, p_dt_bias, b + i_n * stride_b + i_hv, mask_k, softplus_beta,
-                                softplus_threshold, IS_KDA, BETA_ACTIVATED)
+    b_g = token_gate(A_log + i_hv, a + i_n * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K,
+                     IS_KDA)
+    b_beta = beta_gate(b + i_n * stride_b + i_hv, BETA_ACTIVATED)
     if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
         b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
     b_q = l2normalize(b_q) * scale
