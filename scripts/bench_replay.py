@@ -61,9 +61,9 @@ def record_bytes(family: str, act_bytes: int = 2) -> int:
 
 
 def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
-               upstream=None, fla=None, stateless=True):
-    """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and
-    the separate fold) for one case; rows.
+               upstream=None, fla=None, stateless=True, separate=True):
+    """Time native and replay (each variant ``(name, replay_verify keyword arguments)``, fused fold; and,
+    with ``separate``, the fold as a kernel of its own first) for one case; rows.
     ``resources`` (a dict kept across cases) collects each replay variant's registers and spills;
     ``stateless`` False skips the rows that do not depend on the history (native, fla: measured with another L)."""
     from sglang.srt.layers.attention.fla.fused_recurrent import (
@@ -215,9 +215,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {name}", replay_step_fused(variant), fused_bytes(variant), fused_path(variant),
                replay_per_req) for name, variant in variants),
-            ("ours-replay", "separate", replay_step_separate, replay_bytes,
-             f"fold_needed+fold_into_checkpoints(masked)+replay_verify[{launch_label({})}](round_beta={round_beta})"
-             "+advance", replay_per_req),
+            *((("ours-replay", "separate", replay_step_separate, replay_bytes,
+                 f"fold_needed+fold_into_checkpoints(masked)+replay_verify[{launch_label({})}]"
+                 f"(round_beta={round_beta})+advance", replay_per_req),) if separate else ()),
             *((upstream_row,) if d == 1 and upstream is not None else ()),
             *((fla_row,) if d == 1 and fla is not None else ())):
         if impl_ in STATELESS_IMPLS and not stateless:
@@ -386,6 +386,9 @@ def main(argv=None) -> int:
     p.add_argument("--fla", type=str, default=str(fla_kernels.DEFAULT_DIR),
                    help="folder of the extracted fla-core 0.6.0 (scripts/fla_kernels.py extract); fla decode rows "
                         "are added when it is there")
+    p.add_argument("--separate", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the fold as a kernel of its own before the verify (the `separate` rows; "
+                        "--no-separate: only the fused fold, as served)")
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no GPU: write one report (JSON, table, plot) into --out from the replay_h200.json files of "
@@ -423,7 +426,8 @@ def main(argv=None) -> int:
         family, dtype_name, batch, d, _ = case
         first = not any((o["family"], o["state_dtype"], o["batch"], o["draft_tokens"]) == (family, dtype_name, batch, d)
                         for o in result["rows"])  # native and fla rows do not depend on L: measured with the first
-        result["rows"] += bench_case(*case, bw, variants, resources, upstream, fla, stateless=first)
+        result["rows"] += bench_case(*case, bw, variants, resources, upstream, fla, stateless=first,
+                                     separate=args.separate)
         with open(os.path.join(args.out, "replay_h200.partial.json"), "w") as f:
             json.dump(result, f)
     write_report(result, args.out)
