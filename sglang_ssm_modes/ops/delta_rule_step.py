@@ -34,6 +34,15 @@ def beta_gate(p_b, BETA_ACTIVATED: tl.constexpr):
 
 
 @triton.jit
+def packed_beta(b_beta, b, ROUND_BETA: tl.constexpr):
+    """``beta`` as SGLang 0.5.14's GDN packed decode kernel uses it when ``ROUND_BETA``: sigmoid(b) rounded
+    to the dtype of ``b`` (the gate's input pointer) and back to float32; else ``beta`` unchanged."""
+    if ROUND_BETA:
+        b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+    return b_beta
+
+
+@triton.jit
 def gate_and_beta(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_threshold,
                   IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr):
     """:func:`decay_gate` and :func:`beta_gate` of one token: ``(g, beta)``."""

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_records, beta_gate, delta_rule_update, l2normalize
+from ..delta_rule_step import apply_records, beta_gate, delta_rule_update, l2normalize, packed_beta
 from .ring import ReplayRing, advance, flag_nonfinite
 from .verify import replay_verify, token_gate, window_cursor
 
@@ -74,9 +74,7 @@ def replay_write_through_kernel(
     b_v = tl.load(v + i_n * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
     b_g = token_gate(A_log + i_hv, a + i_n * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K,
                      IS_KDA)
-    b_beta = beta_gate(b + i_n * stride_b + i_hv, BETA_ACTIVATED)
-    if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
-        b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+    b_beta = packed_beta(beta_gate(b + i_n * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
     b_q = l2normalize(b_q) * scale
     b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
     b_o = tl.sum(b_h * b_q[:, None], 0)

@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import apply_records, beta_gate, decay_gate, gate_vector, l2normalize, store_key_record
+from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
+                               store_key_record)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
 
 
@@ -195,8 +196,7 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's gate, stores nothing
     b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t_in * stride_a, p_dt_bias, p_b0 + t_in * stride_b, mask_k,
                                     softplus_beta, softplus_threshold, K, IS_KDA, BETA_ACTIVATED)
-    if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
-        b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+    b_beta = packed_beta(b_beta, b, ROUND_BETA)
     b_k_raw = tl.load(k + (bos + t) * stride_k + i_h * K + o_k, mask=mask_k, other=0)
     b_k = l2normalize(b_k_raw.to(tl.float32))
     b_q = l2normalize(tl.load(q + (bos + t) * stride_q + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)) * scale
@@ -379,9 +379,7 @@ def replay_step_kernel(
         if not IS_KDA:
             b_gw = tl.where(o_t == t, token_gate(p_A_log, a + (bos + t_in) * stride_a, dt_bias, i_hv, o_bk,
                                                  softplus_beta, softplus_threshold, K, IS_KDA), b_gw)
-        b_beta = beta_gate(b + (bos + t_in) * stride_b + i_hv, BETA_ACTIVATED)
-        if ROUND_BETA:  # as SGLang's GDN packed decode: sigmoid(b) rounded to b's dtype
-            b_beta = b_beta.to(b.dtype.element_ty).to(tl.float32)
+        b_beta = packed_beta(beta_gate(b + (bos + t_in) * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
         b_betaw = tl.where(o_t == t, b_beta, b_betaw)
     # the history's gates: GDN's decays to the end of the history (KDA's are per K row: in the loop)
     m_l = o_l < c
