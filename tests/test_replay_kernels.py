@@ -212,36 +212,6 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("d", [1, 4])
-@pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-def test_multi_warp_column_tiles_fold_the_served_bits_at_real_shapes(family, hk, hv, d):
-    """Candidate tilings whose value tiles span several warps — one program per head and 128 columns (the
-    bench's ``128x4:k32:one``, ``128x8:k16:one``, ``128x4:k32:two``) or 64 (``64x2:k32:one``): the history's keys
-    read once or twice per head, no spills at D = 1 (``scripts/kernel_registers.py``) — at Qwen3-Next /
-    Kimi-Linear head shapes, every request folding inside the launch: checkpoints and every
-    record but ``u`` are the served tiling's bits, outputs and ``u`` within rounding. (At K = 16 a fold tile over
-    4 warps split K across warps and changed bits, ``FOLD_WARP_COLUMNS``; at K = 128 a warp holds whole
-    columns.) A variant must pass this before it can be served."""
-    n, L, kdim, vdim = 9, 16, 128, 128
-    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52 + d)
-    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
-    results = []
-    for variant in ({}, dict(block_v=128, num_warps=4, block_k=32, launches=1),
-                    dict(block_v=128, num_warps=8, block_k=16, launches=1),
-                    dict(block_v=128, num_warps=4, block_k=32, launches=2),
-                    dict(block_v=64, num_warps=2, block_k=32, launches=1)):
-        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d + 1, seed=53)
-        p = pool.to(DEVICE).clone()
-        o = call_replay_verify(params, x, family, n, d, p, state_idx, ring, rec_idx, **variant)
-        results.append((o, p, ring.buffers()))
-    for o, p, bufs in results[1:]:
-        assert torch.equal(p, results[0][1])
-        assert all(torch.equal(t, results[0][2][k]) for k, t in bufs.items() if k != "u")
-        torch.testing.assert_close(bufs["u"], results[0][2]["u"], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(o.float(), results[0][0].float(), rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_records_hold_the_exact_raw_inputs_gate_and_beta(family, hk, hv):
     """Raw k, v are the inputs bit for bit; g and beta equal the compact records (same code as the
@@ -358,6 +328,8 @@ def test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit(family, d)
     gen = torch.Generator().manual_seed(71)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     real = (state_idx >= 0).to(DEVICE)
+    # on the device before the capture: a host-to-device copy cannot be captured
+    A_log, dt_bias, slots = params.A_log.to(DEVICE), params.dt_bias.to(DEVICE), state_idx.to(DEVICE)
     rounds = [(to_device(flat_inputs(random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16), family,
                                      n, d), DEVICE),
                torch.randint(0, d + 1, (n,), generator=gen).to(DEVICE).to(torch.int32) * real) for _ in range(2 * L)]
@@ -370,9 +342,8 @@ def test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit(family, d)
         accepted = torch.zeros(n, dtype=torch.int32, device=DEVICE)
 
         def step():
-            o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
-                              inp["v"], inp["b"], p, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda",
-                              launches=2, pdl=pdl)
+            o = replay_verify(A_log, inp["a"], dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p, slots, ring,
+                              rec_idx, is_kda=family == "kda", launches=2, pdl=pdl)
             advance(ring, rec_idx, accepted, window=d)
             return o
 
