@@ -6,8 +6,9 @@ The same random decode tokens (Qwen3-Next / Kimi-Linear head shapes, a few reque
 states side by side in one run: SGLang 0.5.14's packed decode kernel with a float32 state (the
 reference), the same kernel with a bfloat16 state (native bf16: rounds after every token), and replay's
 output-only path with a bfloat16 checkpoint (rounds once per fold; the fold is fused into the decode launch
-— the rounding of replay's speculative rounds; a served plain decode with a 2-byte state writes through
-instead, rounding after every token as native does, ``ops.replay.decode``). Every
+— the rounding of replay's speculative rounds and of its output-only decode, served for a 2-byte state from
+128 requests per step at L <= 16; below that, and at longer histories, a served plain decode writes through,
+rounding after every token as native does, ``ops.replay.decode``). Every
 ``--every`` tokens the canonical states are compared with the reference: relative error = max |x - ref|
 / max |ref| over all requests and heads. Writes ``replay_drift.json`` (``gpu``, ``date``, ``commit``,
 ``rows``: family, tokens, impl, rel_err), ``replay_drift.md`` and ``replay_drift.png``.

@@ -23,19 +23,33 @@ SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 3
 """Where the figures of each ``(family, history)`` come from (GDN's cells of 1 and 8 requests at L = 32 and 64,
 as served now, from a later run than the rest: ratios within one run each, not across)."""
 
-OUTPUT_ONLY_DECODE = {
-    ("gdn", 16): "1.17-1.25x native from 64 to 256 running requests",
-    ("kda", 16): "1.01-1.10x native from 64 to 256 running requests",
-    ("gdn", 32): "1.10-1.12x native at 128-256 running requests",
-}
-"""Plain decode (float32 state) per ``(family, history)`` where it is served output-only (from
-``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there. Below that bound, and at
-every batch where output-only decode was measured slower than native everywhere (KDA L = 32, L = 64: 0.42-0.85x;
-below 64 requests a replay step is launch-bound: SGLang's decode is one launch, the output-only path one or two
-plus the cursor's), the decode writes through — SGLang's decode work in one launch."""
-WRITE_THROUGH = ("a write-through is SGLang's decode (one launch, the state read and written; its arithmetic, to "
-                 "float32 rounding) plus the fold of any pending history — not yet timed against native")
+DECODE_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a"
+"""Where the plain-decode figures come from (both decode paths side by side in one run per state dtype)."""
 
+OUTPUT_ONLY_DECODE = {
+    ("gdn", 16, 4): ("1.17-1.24x native from 64 to 256 running requests", False),
+    ("kda", 16, 4): ("1.13-1.15x native from 64 to 256 running requests", False),
+    ("gdn", 32, 4): ("1.11-1.12x native at 128-256 running requests", False),
+    ("gdn", 16, 2): ("0.88-0.91x native at 128-256 running requests", True),
+    ("kda", 16, 2): ("0.76x native at 128-256 running requests", True),
+}
+"""Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
+``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, and whether it was slower than
+native."""
+WRITE_THROUGH = ("a write-through is SGLang's decode work in one launch (the state read and written, its "
+                 "arithmetic to float32 rounding) plus the fold of any pending history")
+WRITE_THROUGH_SPEED = {
+    ("gdn", 4): ("0.80-0.92x native below 64 requests, 0.94-1.00x from 64", True),
+    ("kda", 4): ("0.94-1.22x native at every batch measured", False),
+    ("gdn", 2): ("0.72-0.99x native (SGLang's packed decode moves a 2-byte tile faster than the generic decode's "
+                 "layout the write-through keeps)", True),
+    ("kda", 2): ("0.67-0.92x native (as GDN)", True),
+}
+"""Write-through decode against native per ``(family, state bytes)`` (a steady write-through has no history, so
+one figure for every L), and whether it was never faster than native."""
+LOW_PRECISION_DECODE = ("where plain decode writes through, a {dtype} state rounds after every token as native's "
+                        "does; output-only decode and speculative rounds round it once per fold (bench/results/"
+                        "replay/drift_20261203: a third to a half of native's drift over 10 000 tokens)")
 VERIFY = {
     ("gdn", 16): ("a D = 4 speculative round 0.92-0.99x native below 32 requests, 1.63-2.05x from 32 to 256", False),
     ("kda", 16): ("a D = 4 speculative round 0.99-1.04x native below 32 requests, 1.71-1.82x from 32 to 256", False),
@@ -49,12 +63,6 @@ VERIFY = {
 """Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``: the sentence, and whether replay
 was slower than native at every batch measured."""
 
-LOW_PRECISION = ("with a {dtype} state plain decode writes through at every batch (output-only decode was "
-                 "measured slower than native everywhere with a bfloat16 state: 0.48-0.89x GDN, 0.26-0.74x KDA at "
-                 "L = 16; bench/results/replay_h200.md): " + WRITE_THROUGH + "; the state then rounds after "
-                 "every token, as native's does. A checkpoint rounded once per fold (bench/results/replay/"
-                 "drift_20261203: a third to a half of native's drift over 10 000 tokens) stays with speculative "
-                 "rounds")
 LOW_PRECISION_VERIFY = ("with a {dtype} state a D = 4 speculative round was slower than native below 32 requests "
                         "(L = 16, bfloat16: 0.75-0.80x GDN, 0.62x KDA) and faster from 32 (1.14-1.50x GDN, "
                         "1.06-1.33x KDA; float16 not measured): native's 2-byte state moves half the bytes of a "
@@ -62,17 +70,21 @@ LOW_PRECISION_VERIFY = ("with a {dtype} state a D = 4 speculative round was slow
                         "float32; for memory, --ssm-state-mode compact")
 
 
-def decode_sentence(family: str, history: int) -> str:
-    """How a float32 replay pool of this family and history serves plain decode, with the measured ratio of its
-    output-only range (:data:`OUTPUT_ONLY_DECODE`)."""
-    most = write_through_max_requests(family == "kda", history, torch.float32)
+def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tuple[str, bool]:
+    """How a replay pool of this family, history and state dtype serves plain decode, with the measured ratios of
+    both paths (:data:`WRITE_THROUGH_SPEED`, :data:`OUTPUT_ONLY_DECODE`), and whether it was slower than native at
+    every batch measured."""
+    nbytes = 4 if state_dtype.itemsize >= 4 else 2
+    most = write_through_max_requests(family == "kda", history, state_dtype)
+    speed, through_slower = WRITE_THROUGH_SPEED[(family, nbytes)]
+    through = f"{WRITE_THROUGH}: {speed}"
     if most is None:
-        return ("plain decode writes through at every batch (output-only decode was measured slower than native "
-                "at every batch for this history): " + WRITE_THROUGH)
+        return ("plain decode writes through at every batch (output-only decode was measured slower than that at "
+                f"every batch for this history and state): {through}"), through_slower
     measured = "" if history >= 16 else " (measured at L = 16)"
+    output_only, output_only_slower = OUTPUT_ONLY_DECODE[(family, max(history, 16), nbytes)]
     return (f"plain decode writes through below {most + 1} requests per step, counting a CUDA graph's padding "
-            f"({WRITE_THROUGH}); output-only from {most + 1}: {OUTPUT_ONLY_DECODE[(family, max(history, 16))]}"
-            f"{measured}")
+            f"({through}); output-only from {most + 1}: {output_only}{measured}"), through_slower and output_only_slower
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
@@ -85,25 +97,30 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
         return []
     where = f"{family.upper()}, L = {cfg.replay_history}"
     spec_chain = cfg.draft_tokens > 1 and not tree_verify
-    if state_dtype != torch.float32:
-        name = dtype_name(state_dtype)
-        return ([(logging.INFO, f"replay ({where}) " + LOW_PRECISION.format(dtype=name))]
-                + ([(logging.WARNING, "replay " + LOW_PRECISION_VERIFY.format(dtype=name))] if spec_chain else []))
+    decode, slower = decode_sentence(family, cfg.replay_history, state_dtype)
+    state = dtype_name(state_dtype)
+    if slower:
+        decode += (": slower than native at every batch measured" + (
+            "; for speed pass --mamba-ssm-dtype float32, for memory --ssm-state-mode compact"
+            if state_dtype != torch.float32 else " (L = 16 is the fastest history)"))
+    out = [(logging.WARNING if slower else logging.INFO,
+            f"replay kernels against native ({where}, {state} state, H200): {decode} ({DECODE_SOURCE})")]
     key = (family, cfg.replay_history)
-    out = [(logging.INFO, f"replay kernels against native ({where}, float32 state, H200): "
-                          f"{decode_sentence(family, cfg.replay_history)} ({OFFICIAL})")]
-    if spec_chain:
-        if key in VERIFY:
-            text, slower_everywhere = VERIFY[key]
-            text += f" ({SOURCES[key]})"
-            if slower_everywhere:
-                text += ": slower than native at every batch measured (L = 16 is the fastest history)"
-            out.append((logging.WARNING if slower_everywhere else logging.INFO,
-                        f"replay kernels against native ({where}, float32 state, H200): {text}"))
-        else:
-            measured = sorted({L for _, L in SOURCES})
-            out.append((logging.INFO, f"replay ({where}): a speculative round's speed against native not measured "
-                                      f"for this history (measured: L = {', '.join(map(str, measured))})"))
+    if state_dtype != torch.float32:
+        out.append((logging.INFO, f"replay ({where}): " + LOW_PRECISION_DECODE.format(dtype=state)))
+        if spec_chain:
+            out.append((logging.WARNING, "replay " + LOW_PRECISION_VERIFY.format(dtype=state)))
+    elif spec_chain and key in VERIFY:
+        text, slower_everywhere = VERIFY[key]
+        text += f" ({SOURCES[key]})"
+        if slower_everywhere:
+            text += ": slower than native at every batch measured (L = 16 is the fastest history)"
+        out.append((logging.WARNING if slower_everywhere else logging.INFO,
+                    f"replay kernels against native ({where}, float32 state, H200): {text}"))
+    elif spec_chain:
+        measured = sorted({L for _, L in SOURCES})
+        out.append((logging.INFO, f"replay ({where}): a speculative round's speed against native not measured "
+                                  f"for this history (measured: L = {', '.join(map(str, measured))})"))
     if cfg.draft_tokens > 1 and tree_verify:
         out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
     return out

@@ -126,23 +126,28 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
     return o
 
 
-WRITE_THROUGH_BELOW = {("gdn", 16): 64, ("kda", 16): 64, ("gdn", 32): 128, ("kda", 32): None,
-                       ("gdn", 64): None, ("kda", 64): None}
-"""Per ``(family, history)`` with a float32 state: the request count from which output-only decode serves
-(None: never — write-through at every batch). From the output-only path's measured ratios against SGLang's
-decode on the H200 (bench/results/replay_h200.md, commit 34d5527, float32): GDN L = 16 0.89x at 32 requests,
-1.17x at 64; KDA L = 16 0.85x at 32, 1.01x at 64; GDN L = 32 0.79-0.83x at 32-64, 1.10x at 128; KDA L = 32 and
-both at L = 64 slower than native at every batch (0.42-0.85x). A history of L < 16 takes L = 16's bound."""
+WRITE_THROUGH_BELOW = {
+    **{(family, 16, 4): 64 for family in ("gdn", "kda")}, ("gdn", 32, 4): 128, ("kda", 32, 4): None,
+    **{(family, 64, 4): None for family in ("gdn", "kda")},
+    **{(family, 16, 2): 128 for family in ("gdn", "kda")}, **{(family, L, 2): None for family in ("gdn", "kda")
+                                                               for L in (32, 64)},
+}
+"""Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
+never — write-through at every batch). Measured side by side on the H200 (bench/results/replay/
+writethrough_20261205, commit a6a4a2a; ratios against SGLang's decode, write-through / output-only):
+float32 GDN L = 16 0.90-0.92 / 0.94-0.95x at 32 requests (a tie), 0.94-0.96 / 1.17-1.21x at 64; KDA L = 16
+0.94-0.96 / 0.89-0.90x at 32, 0.96 / 1.13-1.15x at 64; GDN L = 32 0.97 / 0.87x at 64, 0.97 / 1.12x at
+128; KDA L = 32 and both at L = 64: output-only slower at every batch (0.43-0.86x against 0.84-1.22x).
+bfloat16 at L = 16: GDN 0.77-0.78 / 0.69x at 64, 0.74-0.75 / 0.91x at 128; KDA 0.73-0.74 / 0.70x at 64,
+0.69 / 0.76x at 128; at L = 64 output-only 0.26-0.54x (at L = 32, from commit 34d5527: output-only 0.74x
+GDN at 128 requests against write-through's 0.74-0.75x, KDA slower than at L = 16). A history of L < 16 takes
+L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
 def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
     """The most requests a served plain decode writes through (:data:`WRITE_THROUGH_BELOW`), None for every
-    batch: a 2-byte state (bfloat16, float16) writes through at every batch — native's 2-byte state moves half
-    the bytes a float32 one does, and output-only decode was measured slower than native at every batch with a
-    bfloat16 state (L = 16: 0.48-0.89x GDN, 0.26-0.74x KDA; bench/results/replay_h200.md)."""
-    if state_dtype.itemsize < 4:
-        return None
-    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16))]
+    batch."""
+    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16), 4 if state_dtype.itemsize >= 4 else 2)]
     return None if below is None else below - 1
 
 
