@@ -14,7 +14,7 @@ import logging
 import torch
 
 from ..config import SSMModeConfig, dtype_name
-from ..ops.replay.decode import write_through_max_requests
+from ..ops.replay.decode import state_bytes, write_through_max_requests
 
 OFFICIAL = "bench/results/replay_h200.md, commit 34d5527"
 SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 32, 64)},
@@ -63,6 +63,8 @@ VERIFY = {
 """Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``: the sentence, and whether replay
 was slower than native at every batch measured."""
 
+FASTEST_HISTORY = " (L = 16 is the fastest history)"
+"""The hint a float32 pool's warning ends with."""
 LOW_PRECISION_VERIFY = ("with a {dtype} state a D = 4 speculative round was slower than native below 32 requests "
                         "(L = 16, bfloat16: 0.75-0.80x GDN, 0.62x KDA) and faster from 32 (1.14-1.50x GDN, "
                         "1.06-1.33x KDA; float16 not measured): native's 2-byte state moves half the bytes of a "
@@ -74,7 +76,7 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
     """How a replay pool of this family, history and state dtype serves plain decode, with the measured ratios of
     both paths (:data:`WRITE_THROUGH_SPEED`, :data:`OUTPUT_ONLY_DECODE`), and whether it was slower than native at
     every batch measured."""
-    nbytes = 4 if state_dtype.itemsize >= 4 else 2
+    nbytes = state_bytes(state_dtype)
     most = write_through_max_requests(family == "kda", history, state_dtype)
     speed, through_slower = WRITE_THROUGH_SPEED[(family, nbytes)]
     through = f"{WRITE_THROUGH}: {speed}"
@@ -102,7 +104,7 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
     if slower:
         decode += (": slower than native at every batch measured" + (
             "; for speed pass --mamba-ssm-dtype float32, for memory --ssm-state-mode compact"
-            if state_dtype != torch.float32 else " (L = 16 is the fastest history)"))
+            if state_dtype != torch.float32 else FASTEST_HISTORY))
     out = [(logging.WARNING if slower else logging.INFO,
             f"replay kernels against native ({where}, {state} state, H200): {decode} ({DECODE_SOURCE})")]
     key = (family, cfg.replay_history)
@@ -114,7 +116,7 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
         text, slower_everywhere = VERIFY[key]
         text += f" ({SOURCES[key]})"
         if slower_everywhere:
-            text += ": slower than native at every batch measured (L = 16 is the fastest history)"
+            text += ": slower than native at every batch measured" + FASTEST_HISTORY
         out.append((logging.WARNING if slower_everywhere else logging.INFO,
                     f"replay kernels against native ({where}, float32 state, H200): {text}"))
     elif spec_chain:

@@ -127,10 +127,10 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
 
 
 WRITE_THROUGH_BELOW = {
-    **{(family, 16, 4): 64 for family in ("gdn", "kda")}, ("gdn", 32, 4): 128, ("kda", 32, 4): None,
-    **{(family, 64, 4): None for family in ("gdn", "kda")},
-    **{(family, 16, 2): 128 for family in ("gdn", "kda")}, **{(family, L, 2): None for family in ("gdn", "kda")
-                                                               for L in (32, 64)},
+    ("gdn", 16, 4): 64, ("kda", 16, 4): 64, ("gdn", 32, 4): 128, ("kda", 32, 4): None,
+    ("gdn", 64, 4): None, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 128, ("kda", 16, 2): 128, ("gdn", 32, 2): None, ("kda", 32, 2): None,
+    ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
 never — write-through at every batch). Measured side by side on the H200 (bench/results/replay/
@@ -144,10 +144,16 @@ GDN at 128 requests against write-through's 0.74-0.75x, KDA slower than at L = 1
 L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
+def state_bytes(state_dtype: torch.dtype) -> int:
+    """The state-bytes column of :data:`WRITE_THROUGH_BELOW` a pool of ``state_dtype`` is measured under: 4
+    (float32) or 2 (bfloat16, float16)."""
+    return 4 if state_dtype.itemsize >= 4 else 2
+
+
 def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
     """The most requests a served plain decode writes through (:data:`WRITE_THROUGH_BELOW`), None for every
     batch."""
-    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16), 4 if state_dtype.itemsize >= 4 else 2)]
+    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
     return None if below is None else below - 1
 
 
