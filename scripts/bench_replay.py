@@ -73,7 +73,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
-                                             replay_verify)
+                                             replay_verify, replay_write_through)
     from sglang_ssm_modes.ops.replay.decode import replay_write_through_kernel, serves_write_through
     from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel, served_launches)
@@ -111,19 +111,21 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         return d == 1 and through
 
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
-        verify_kw = {key: value for key, value in variant.items() if key != "write_through"}
+        kw = {key: value for key, value in variant.items() if key != "write_through"}  # the launch's tile
         through = writes_through(variant)
-        decode_kw = {} if through else verify_kw
 
         def step(r):
-            if d == 1:  # the served plain decode (cursor settled inside)
+            if through and kw:  # a write-through tiled otherwise than served
+                replay_write_through(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
+                                     groups[r], ring, groups[r], is_kda=is_kda, round_beta=round_beta, **kw)
+            elif d == 1:  # the served plain decode (cursor settled inside)
                 replay_decode(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
                               ring, groups[r], is_kda=is_kda, round_beta=round_beta, write_through=through,
-                              **decode_kw)
-                return
-            replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], ring,
-                          groups[r], is_kda=is_kda, round_beta=round_beta, **verify_kw)
-            advance(ring, groups[r], accepted, window=d)
+                              **({} if through else kw))
+            else:
+                replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
+                              ring, groups[r], is_kda=is_kda, round_beta=round_beta, **kw)
+                advance(ring, groups[r], accepted, window=d)
         return step
 
     def replay_step_separate(r):  # the fold kernel first (masked to the requests that need it)
@@ -134,7 +136,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def fused_path(variant):  # what a timed step of the variant runs
         if writes_through(variant):
-            return "replay_decode[write-through](fold + token, checkpoint written, cursor emptied)"
+            tile = {key: value for key, value in variant.items() if key != "write_through"}
+            return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
+                    f"{', ' + str(tile) if tile else ''})")
         return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"
                 f"+advance(window={d})")
 
@@ -242,6 +246,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     return rows
 
 
+WRITE_THROUGH_TILE = ("block_v", "num_warps", "num_stages", "v_major")
+"""The keywords of ``ops.replay.decode.replay_write_through`` a ``:through`` variant may set."""
+
+
 def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
     """``--variants`` values as ``(name, replay_verify keyword arguments)``; a bad value is a
     ``parser.error`` naming the rule."""
@@ -269,14 +277,21 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["num_stages"] = int(opt[1:])
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
+            elif opt in ("vk", "kv"):
+                kw["v_major"] = opt == "vk"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
-                             "launch or after it), :through / :nothrough (decode written through or output-only)")
-        if kw.get("write_through") and len(kw) > 1:
-            parser.error(f"--variants {value}: a write-through has no output launch to tile: :through goes alone "
-                         "(served:through)")
+                             "launch or after it), :through / :nothrough (decode written through or output-only), "
+                             ":vk / :kv (a write-through's tile held [BV, K] or [K, BV])")
+        if kw.get("write_through"):
+            others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
+            if others:
+                parser.error(f"--variants {value}: {others} tile the output-only path; a write-through takes a "
+                             "tiling (BVxW), :sN and :vk / :kv (e.g. served:through:vk, 64x2:through)")
+        elif "v_major" in kw:
+            parser.error(f"--variants {value}: :vk / :kv tile a write-through: add :through")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))

@@ -13,6 +13,7 @@ from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, rin
 
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
                                          replay_write_through)
+from sglang_ssm_modes.ops.replay import decode as decode_module
 from sglang_ssm_modes.ops.replay.decode import (WRITE_THROUGH_BELOW, replay_write_through_kernel,
                                                 serves_write_through, write_through_max_requests)
 from sglang_ssm_modes.reference import LinearAttnInputs, replay_forward, write_through
@@ -141,6 +142,12 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
     assert torch.equal(ours[unused], pool.to(DEVICE)[unused])
 
 
+def _ulps(a, b):
+    """The most units in the last place two same-dtype tensors differ by (their bit patterns as integers)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return int((a.view(ints).long() - b.view(ints).long()).abs().max())
+
+
 def _row(x, j):
     """Request ``j``'s inputs of a batch (``[1, T, ...]``)."""
     return LinearAttnInputs(*(t[j:j + 1] for t in (x.q, x.k, x.v, x.a, x.b)))
@@ -237,15 +244,17 @@ def test_bad_calls_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v_major", [False, True])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-def test_write_through_at_real_shapes_on_the_gpu(family, hk, hv, state_dtype):
+def test_write_through_at_real_shapes_on_the_gpu(family, hk, hv, state_dtype, v_major, monkeypatch):
     """Qwen3-Next / Kimi-Linear head shapes (K = V = 128), 2, 7, 33 and 200 requests (a padding row each),
     histories of 0 .. L records: after a write-through, float32 state and outputs are SGLang's generic decode of
     the same tokens bit for bit (bfloat16: within one ulp of the float64 reference, per request), every real
     cursor is empty with the phase flipped and a fold counted exactly where it held records, every ticket taken
     back (the tickets under real concurrency: 128 programs a request); also SGLang's packed decode as served
-    (GDN beta rounded), to float32 rounding."""
+    (GDN beta rounded), to float32 rounding. Either tile orientation (``v_major``: SGLang's packed decode's)."""
+    monkeypatch.setattr(decode_module, "write_through_v_major", lambda dtype: v_major)
     kdim = vdim = 128
     L, kda = 16, family == "kda"
     for n in (2, 7, 33, 200):
@@ -281,8 +290,10 @@ def test_write_through_at_real_shapes_on_the_gpu(family, hk, hv, state_dtype):
         assert (ring.count[real.to(DEVICE)] == 0).all() and (ring.tickets == 0).all()
         assert torch.equal(ring.phase, torch.where(had, 1 - phases, phases))
         assert torch.equal(ring.folds, folds + had.to(torch.int32))
+        diffs = dict(generic=_ulps(ours, native), packed=_ulps(served, packed))
+        print(f"{n} requests: ulps against SGLang's decode kernels {diffs}")  # shown by -rA
         if state_dtype == torch.float32:
-            assert torch.equal(got[0, real.to(DEVICE)], want[0, real.to(DEVICE)]) and torch.equal(ours, native)
+            assert torch.equal(got[0, real.to(DEVICE)], want[0, real.to(DEVICE)]) and torch.equal(ours, native), diffs
             assert ((served - packed).abs() <= 1e-6 * packed.abs().max()).all()
             torch.testing.assert_close(got_served[0, real.to(DEVICE)].float(), want_packed[real.to(DEVICE), 0].float(),
                                        rtol=1e-2, atol=1e-5)

@@ -75,7 +75,8 @@ import bench_replay  # noqa: E402
                                  ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
                                  ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
                                  ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
-                                 ["--variants", "16x1:through"], ["--variants", "served:through:inorder"]])
+                                 ["--variants", "served:through:inorder"], ["--variants", "served:through:k32"],
+                                 ["--variants", "served:vk"], ["--variants", "16x1:nothrough:kv"]])
 def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
     monkeypatch.setattr(bench_replay.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as exc:
@@ -100,6 +101,9 @@ def test_bench_replay_variants_name_the_launch_options():
     assert bench_replay.parse_variants(p, ["served:through", "served:nothrough", "16x1:nothrough"]) == [
         ("served:through", dict(write_through=True)), ("served:nothrough", dict(write_through=False)),
         ("16x1:nothrough", dict(block_v=16, num_warps=1, write_through=False))]
+    assert bench_replay.parse_variants(p, ["served:through:vk", "64x2:through:kv:s2"]) == [
+        ("served:through:vk", dict(write_through=True, v_major=True)),
+        ("64x2:through:kv:s2", dict(block_v=64, num_warps=2, write_through=True, v_major=False, num_stages=2))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

@@ -33,10 +33,12 @@ def replay_write_through_kernel(
     r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, r_tickets, rec_indices,
     softplus_beta, softplus_threshold, scale, stride_a, stride_q, stride_k, stride_v, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
-    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
+    IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, V_MAJOR: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, one program per ``[K, BV]`` tile of a request's value head, as SGLang's
-    decode. Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
+    decode: loaded and stored as its generic kernel holds it (``V_MAJOR`` false) or as ``[BV, K]``, K along
+    the tile's fast axis, as its packed kernels do (``V_MAJOR``; the tile transposed in registers for the
+    shared arithmetic, which ``tl.trans`` does without moving data). Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
     (KDA), ``b`` ``[1, N, HV]`` (activation dtype); ``o`` ``[1, N, HV, V]``; checkpoints ``h0_source``
     ``[slots, HV, V, K]`` (any float dtype) at ``h0_indices`` ``[N]``; ring buffers and cursor words as
     :class:`~.ring.ReplayRing` at ``rec_indices`` ``[N]`` (distinct). ``K`` a power of two.
@@ -62,10 +64,16 @@ def replay_write_through_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k = o_k < K
     mask_v = o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :] & valid
-    p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V + o_v[None, :] * K + o_k[:, None]
-    b_h = tl.zeros([K, BV], dtype=tl.float32)
-    b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+    p_head = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
+    if V_MAJOR:
+        mask_h = mask_v[:, None] & mask_k[None, :] & valid
+        p_h0 = p_head + o_v[:, None] * K + o_k[None, :]
+        b_h = tl.trans(tl.load(p_h0, mask=mask_h, other=0).to(tl.float32))
+    else:
+        mask_h = mask_k[:, None] & mask_v[None, :] & valid
+        p_h0 = p_head + o_v[None, :] * K + o_k[:, None]
+        b_h = tl.zeros([K, BV], dtype=tl.float32)
+        b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
     b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, r_safe * 2 * L + phase.to(tl.int64) * L, c, i_h, i_hv,
                         o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
 
@@ -80,7 +88,10 @@ def replay_write_through_kernel(
     b_o = tl.sum(b_h * b_q[:, None], 0)
     tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     b_out = b_h.to(p_h0.dtype.element_ty)
-    tl.store(p_h0, b_out, mask=mask_h)
+    if V_MAJOR:
+        tl.store(p_h0, tl.trans(b_out), mask=mask_h)
+    else:
+        tl.store(p_h0, b_out, mask=mask_h)
 
     if c > 0:  # a fold: check it, and the last program of the request to read the cursor empties the history
         flag_nonfinite(r_faults, r_safe, b_out.to(tl.float32))
@@ -101,11 +112,14 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
                          k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor,
                          state_indices: torch.Tensor, ring: ReplayRing, record_indices: torch.Tensor, *,
                          is_kda: bool, beta_activated: bool = False, scale: float | None = None,
-                         round_beta: bool = False) -> torch.Tensor:
+                         round_beta: bool = False, v_major: bool | None = None, block_v: int | None = None,
+                         num_warps: int = 1, num_stages: int = 3) -> torch.Tensor:
     """Write-through decode of ``N = len(state_indices)`` requests, one token each (inputs as
     :func:`~.verify.replay_verify` with T = 1): each real request's history folded, its token applied to its
     checkpoint, the checkpoint written and the cursor emptied (where it was not already) — one launch, no
-    host sync, no allocation but ``o``. Returns ``o`` ``[1, N, HV, V]``."""
+    host sync, no allocation but ``o``. The tile: ``v_major`` (default :func:`write_through_v_major` of the
+    checkpoints' dtype), ``block_v`` value columns (default :data:`WRITE_THROUGH_BLOCK_V`), ``num_warps``,
+    ``num_stages`` (defaults: SGLang's decode launch). Returns ``o`` ``[1, N, HV, V]``."""
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
@@ -113,7 +127,9 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
         raise ValueError(f"a write-through decode takes one token per request: {t_all} tokens for {n} requests")
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
-    BV = min(triton.next_power_of_2(vdim), WRITE_THROUGH_BLOCK_V)
+    BV = min(triton.next_power_of_2(vdim), block_v or WRITE_THROUGH_BLOCK_V)
+    if v_major is None:
+        v_major = write_through_v_major(checkpoints.dtype)
     o = q.new_empty(1, n, hv, vdim)
     replay_write_through_kernel[(triton.cdiv(vdim, BV), n * hv)](
         A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
@@ -122,8 +138,14 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
         1.0, 20.0, kdim ** -0.5 if scale is None else scale,
         a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
-        ROUND_BETA=round_beta, num_warps=1, num_stages=3)
+        ROUND_BETA=round_beta, V_MAJOR=v_major, num_warps=num_warps, num_stages=num_stages)
     return o
+
+
+def write_through_v_major(state_dtype: torch.dtype) -> bool:
+    """Whether a served write-through holds a ``state_dtype`` tile as ``[BV, K]`` (SGLang's packed decode) or
+    ``[K, BV]`` (its generic decode)."""
+    return False
 
 
 WRITE_THROUGH_BELOW = {
