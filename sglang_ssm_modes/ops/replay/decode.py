@@ -103,7 +103,7 @@ def replay_write_through_kernel(
             tl.store(r_folds + r_safe, tl.load(r_folds + r_safe) + 1)
 
 
-WRITE_THROUGH_BLOCK_V = 32
+WRITE_THROUGH_BLOCK_V = 16
 """Value columns per write-through program: SGLang 0.5.14's decode tile (``BV = min(V, 32)`` on one warp,
 three stages), so that its bytes, programs and bits are native's."""
 
@@ -145,7 +145,7 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
 def write_through_v_major(state_dtype: torch.dtype) -> bool:
     """Whether a served write-through holds a ``state_dtype`` tile as ``[BV, K]`` (SGLang's packed decode) or
     ``[K, BV]`` (its generic decode)."""
-    return False
+    return True
 
 
 WRITE_THROUGH_BELOW = {
