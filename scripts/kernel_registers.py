@@ -99,7 +99,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
 def write_through_resources(family: str, state_dtype: str, history: int) -> tuple[int, int]:
     """``(registers per thread, spill-store bytes)`` of the write-through decode kernel as served (bf16
     activations; GDN rounds beta as SGLang's packed decode, KDA's beta comes activated)."""
-    from sglang_ssm_modes.ops.replay.decode import WRITE_THROUGH_BLOCK_V, replay_write_through_kernel
+    from sglang_ssm_modes.ops.replay.decode import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
+                                                    replay_write_through_kernel)
 
     is_kda = family == "kda"
     pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
@@ -107,7 +108,7 @@ def write_through_resources(family: str, state_dtype: str, history: int) -> tupl
                     r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32", r_faults="i32", r_tickets="i32",
                     rec_indices="i32")
     consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BV=min(WRITE_THROUGH_BLOCK_V, V),
-                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not is_kda)
+                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not is_kda, V_MAJOR=WRITE_THROUGH_V_MAJOR)
     return _ptxas_resources(replay_write_through_kernel, pointers, consts, num_warps=1, num_stages=3)
 
 

@@ -4,14 +4,15 @@
   from checkpoint + history, its record appended, the checkpoint only read — replay's point, paying where
   the state's bytes bound the step (many requests);
 * **write-through** (:func:`replay_write_through_kernel`): the request's pending history folded and the token
-  applied to the checkpoint in one launch, as SGLang's decode kernels apply it (tile, warps and op order of
-  its generic ``fused_sigmoid_gating_delta_rule_update``; its packed CUDA kernels hold the tile transposed),
-  the checkpoint written back and the history left empty — native's bytes and native's one launch, for
+  applied to the checkpoint in one launch, as SGLang's decode kernels apply it (op order of its generic
+  ``fused_sigmoid_gating_delta_rule_update``, the tile held ``[BV, K]`` as its packed CUDA kernels hold it, on
+  one warp; 16 value columns a program where SGLang takes 32, :data:`WRITE_THROUGH_BLOCK_V`), the checkpoint
+  written back and the history left empty — native's bytes and native's one launch, for
   batches where launches and latency, not bytes, bound the step and output-only was measured slower than
   native (:func:`write_through_max_requests`).
 
-Both leave the same committed state (with a float32 state the write-through's is SGLang's generic decode bit
-for bit and its packed decode to float32 rounding; the output-only path's once folded, too), so a server may
+Both leave the same committed state (with a float32 state the write-through's is SGLang's decode bit for bit,
+generic and packed kernel alike on the GPU; the output-only path's once folded, too), so a server may
 switch between them from one step to the next (the batch crossing the bound): a request arriving at a
 write-through with records folds them first.
 """
@@ -36,9 +37,9 @@ def replay_write_through_kernel(
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, V_MAJOR: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, one program per ``[K, BV]`` tile of a request's value head, as SGLang's
-    decode: loaded and stored as its generic kernel holds it (``V_MAJOR`` false) or as ``[BV, K]``, K along
-    the tile's fast axis, as its packed kernels do (``V_MAJOR``; the tile transposed in registers for the
-    shared arithmetic, which ``tl.trans`` does without moving data). Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
+    decode: loaded and stored as ``[BV, K]``, K the fast axis, as its packed kernels hold it (``V_MAJOR``; the
+    tile transposed in registers for the shared arithmetic, which ``tl.trans`` does without moving data) or
+    as its generic kernel holds it (``V_MAJOR`` false). Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
     (KDA), ``b`` ``[1, N, HV]`` (activation dtype); ``o`` ``[1, N, HV, V]``; checkpoints ``h0_source``
     ``[slots, HV, V, K]`` (any float dtype) at ``h0_indices`` ``[N]``; ring buffers and cursor words as
     :class:`~.ring.ReplayRing` at ``rec_indices`` ``[N]`` (distinct). ``K`` a power of two.
@@ -104,8 +105,22 @@ def replay_write_through_kernel(
 
 
 WRITE_THROUGH_BLOCK_V = 16
-"""Value columns per write-through program: SGLang 0.5.14's decode tile (``BV = min(V, 32)`` on one warp,
-three stages), so that its bytes, programs and bits are native's."""
+"""Value columns per write-through program, on one warp and three stages as SGLang 0.5.14's decode, which takes
+32: a 32-column program holds 168-254 registers a thread with the fold's loop beside the token (SGLang's
+packed decode, without one, fewer), too few warps a multiprocessor to cover the state's loads; 16 columns hold
+106-128. Side by side on an H100 (bench/results/replay/writethrough_tile_20261205, commit bd811dc, speedup
+over SGLang's packed decode at batch 1 / 8 / 32 / 64 / 128 / 256, L = 16, empty histories): bfloat16 state
+GDN 1.01 / 0.99 / 0.92 / 0.88 / 0.87 / 0.88x against 32 columns' 0.87 / 0.93 / 0.86 / 0.83 / 0.82 / 0.84x,
+KDA 1.02 / 0.99 / 0.92 / 0.89 / 0.87 / 0.86x against 0.86 / 0.93 / 0.82 / 0.78 / 0.74 / 0.73x; float32
+GDN 1.19 / 0.96 / 0.99 / 1.00 / 1.00 / 1.00x against 0.79 / 0.83 / 0.95 / 0.98 / 0.99 / 0.99x, KDA 0.96-1.11x
+either way. The committed state is the same bits whatever the columns (each column's sums over K are
+unchanged; tested on the GPU)."""
+
+WRITE_THROUGH_V_MAJOR = True
+"""Whether a served write-through holds its tile ``[BV, K]`` (SGLang's packed decode) or ``[K, BV]`` (its
+generic decode): the bits are the same on the GPU (float32 state equal to both kernels', tested); ``[BV, K]``
+was as fast or faster in the same H100 runs (bfloat16 KDA at 128 requests 0.87x native against 0.83x, 16
+columns; 0.76x against 0.75x, 32 columns, commit 713c0de)."""
 
 
 def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor,
@@ -117,9 +132,9 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
     """Write-through decode of ``N = len(state_indices)`` requests, one token each (inputs as
     :func:`~.verify.replay_verify` with T = 1): each real request's history folded, its token applied to its
     checkpoint, the checkpoint written and the cursor emptied (where it was not already) — one launch, no
-    host sync, no allocation but ``o``. The tile: ``v_major`` (default :func:`write_through_v_major` of the
-    checkpoints' dtype), ``block_v`` value columns (default :data:`WRITE_THROUGH_BLOCK_V`), ``num_warps``,
-    ``num_stages`` (defaults: SGLang's decode launch). Returns ``o`` ``[1, N, HV, V]``."""
+    host sync, no allocation but ``o``. The tile, as served unless given: ``v_major``
+    (:data:`WRITE_THROUGH_V_MAJOR`), ``block_v`` value columns (:data:`WRITE_THROUGH_BLOCK_V`), ``num_warps``,
+    ``num_stages`` (SGLang's decode launch's). Returns ``o`` ``[1, N, HV, V]``."""
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
@@ -129,7 +144,7 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
     BV = min(triton.next_power_of_2(vdim), block_v or WRITE_THROUGH_BLOCK_V)
     if v_major is None:
-        v_major = write_through_v_major(checkpoints.dtype)
+        v_major = WRITE_THROUGH_V_MAJOR
     o = q.new_empty(1, n, hv, vdim)
     replay_write_through_kernel[(triton.cdiv(vdim, BV), n * hv)](
         A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
@@ -140,12 +155,6 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
         ROUND_BETA=round_beta, V_MAJOR=v_major, num_warps=num_warps, num_stages=num_stages)
     return o
-
-
-def write_through_v_major(state_dtype: torch.dtype) -> bool:
-    """Whether a served write-through holds a ``state_dtype`` tile as ``[BV, K]`` (SGLang's packed decode) or
-    ``[K, BV]`` (its generic decode)."""
-    return True
 
 
 WRITE_THROUGH_BELOW = {
