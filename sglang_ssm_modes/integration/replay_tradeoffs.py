@@ -2,8 +2,8 @@
 at startup so that a user who chose ``--ssm-state-mode replay`` for speed learns where it does not pay.
 
 Kernel-level ratios (native µs / replay µs, one run side by side, CUDA-graph replay over rotating
-slots, folds amortised as in serving) measured on an NVIDIA H200 at Qwen3-Next (GDN) and Kimi-Linear
-(KDA) head shapes; the sources are under ``bench/results/`` (README "Results"). A configuration that
+slots, folds amortised as in serving) measured on an NVIDIA H200 (the write-through decode as served now: on
+an H100; each source names its card) at Qwen3-Next (GDN) and Kimi-Linear (KDA) head shapes; the sources are under ``bench/results/`` (README "Results"). A configuration that
 was not measured says so instead of guessing.
 """
 
@@ -23,8 +23,10 @@ SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 3
 """Where the figures of each ``(family, history)`` come from (GDN's cells of 1 and 8 requests at L = 32 and 64,
 as served now, from a later run than the rest: ratios within one run each, not across)."""
 
-DECODE_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a"
-"""Where the plain-decode figures come from (both decode paths side by side in one run per state dtype)."""
+OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
+WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"
+"""Where the plain-decode figures come from: the output-only path's (both paths side by side in one run per state
+dtype) and the write-through's as served now (its 16-column tile, side by side with native in one run)."""
 
 OUTPUT_ONLY_DECODE = {
     ("gdn", 16, 4): ("1.17-1.24x native from 64 to 256 running requests", False),
@@ -36,14 +38,16 @@ OUTPUT_ONLY_DECODE = {
 """Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
 ``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, and whether it was slower than
 native."""
-WRITE_THROUGH = ("a write-through is SGLang's decode work in one launch (the state read and written, its "
-                 "arithmetic to float32 rounding) plus the fold of any pending history")
+WRITE_THROUGH = ("a write-through is SGLang's decode work in one launch (the state read and written, a float32 "
+                 "state's bits native's) plus the fold of any pending history")
 WRITE_THROUGH_SPEED = {
-    ("gdn", 4): ("0.80-0.92x native below 64 requests, 0.94-1.00x from 64", True),
-    ("kda", 4): ("0.94-1.22x native at every batch measured", False),
-    ("gdn", 2): ("0.72-0.99x native (SGLang's packed decode moves a 2-byte tile faster than the generic decode's "
-                 "layout the write-through keeps)", True),
-    ("kda", 2): ("0.67-0.92x native (as GDN)", True),
+    ("gdn", 4): ("1.19x native at 1 request, 0.96-1.00x from 8 to 256", False),
+    ("kda", 4): ("0.97-1.11x native at every batch measured", False),
+    ("gdn", 2): ("0.99-1.01x native below 32 requests, 0.87-0.92x from 32 to 256 (SGLang's packed decode moves a "
+                 "2-byte state at 0.85-0.94 of copy bandwidth, the write-through at 0.76-0.82; for speed pass "
+                 "--mamba-ssm-dtype float32)", False),
+    ("kda", 2): ("0.99-1.02x native below 32 requests, 0.86-0.92x from 32 to 256 (as GDN; for speed pass "
+                 "--mamba-ssm-dtype float32)", False),
 }
 """Write-through decode against native per ``(family, state bytes)`` (a steady write-through has no history, so
 one figure for every L), and whether it was never faster than native."""
@@ -79,14 +83,15 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
     nbytes = state_bytes(state_dtype)
     most = write_through_max_requests(family == "kda", history, state_dtype)
     speed, through_slower = WRITE_THROUGH_SPEED[(family, nbytes)]
-    through = f"{WRITE_THROUGH}: {speed}"
+    through = f"{WRITE_THROUGH}: {speed} ({WRITE_THROUGH_SOURCE})"
     if most is None:
         return ("plain decode writes through at every batch (output-only decode was measured slower than that at "
                 f"every batch for this history and state): {through}"), through_slower
     measured = "" if history >= 16 else " (measured at L = 16)"
     output_only, output_only_slower = OUTPUT_ONLY_DECODE[(family, max(history, 16), nbytes)]
     return (f"plain decode writes through below {most + 1} requests per step, counting a CUDA graph's padding "
-            f"({through}); output-only from {most + 1}: {output_only}{measured}"), through_slower and output_only_slower
+            f"({through}); output-only from {most + 1}: {output_only}{measured} ({OUTPUT_ONLY_SOURCE})",
+            through_slower and output_only_slower)
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
@@ -106,7 +111,7 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
             "; for speed pass --mamba-ssm-dtype float32, for memory --ssm-state-mode compact"
             if state_dtype != torch.float32 else FASTEST_HISTORY))
     out = [(logging.WARNING if slower else logging.INFO,
-            f"replay kernels against native ({where}, {state} state, H200): {decode} ({DECODE_SOURCE})")]
+            f"replay kernels against native ({where}, {state} state): {decode}")]
     key = (family, cfg.replay_history)
     if state_dtype != torch.float32:
         out.append((logging.INFO, f"replay ({where}): " + LOW_PRECISION_DECODE.format(dtype=state)))
