@@ -102,8 +102,8 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
     """Requests with 0 .. L records (output-only decodes of subsets of the batch, one folding on the way), then
     steps that switch between write-through and output-only. Per write-through: the history folded and the
     token applied in one launch — float32: SGLang's decode of every token so far, outputs and state bit for
-    bit (:func:`_assert_same_state`), either tile; either dtype: the float64 reference (fold, then the token, rounded once) within a rounding — and the
-    cursor emptied (count 0; phase flipped and one more fold counted where there were records; nothing changed
+    bit (:func:`_assert_same_state`), either tile; either dtype: the float64 reference (fold, then the token,
+    rounded once) within a rounding — and the cursor emptied (count 0; phase flipped and one more fold counted where there were records; nothing changed
     where there were none), records and faults untouched, padding rows and other slots untouched."""
     n, L, kda = 6, 4, family == "kda"
     params, _, pool, state_idx = make_case(family, n, 1, hk, hv, kdim, vdim, state_dtype, seed=73)

@@ -3,8 +3,8 @@ at startup so that a user who chose ``--ssm-state-mode replay`` for speed learns
 
 Kernel-level ratios (native µs / replay µs, one run side by side, CUDA-graph replay over rotating
 slots, folds amortised as in serving) measured on an NVIDIA H200 (the write-through decode as served now: on
-an H100; each source names its card) at Qwen3-Next (GDN) and Kimi-Linear (KDA) head shapes; the sources are under ``bench/results/`` (README "Results"). A configuration that
-was not measured says so instead of guessing.
+an H100; each source names its card) at Qwen3-Next (GDN) and Kimi-Linear (KDA) head shapes; the sources are
+under ``bench/results/`` (README "Results"). A configuration that was not measured says so instead of guessing.
 """
 
 from __future__ import annotations

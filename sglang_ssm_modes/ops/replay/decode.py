@@ -36,12 +36,13 @@ def replay_write_through_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, V_MAJOR: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV)``, one program per ``[K, BV]`` tile of a request's value head, as SGLang's
-    decode: loaded and stored as ``[BV, K]``, K the fast axis, as its packed kernels hold it (``V_MAJOR``; the
-    tile transposed in registers for the shared arithmetic, which ``tl.trans`` does without moving data) or
-    as its generic kernel holds it (``V_MAJOR`` false). Inputs: ``q, k`` ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]``
-    (KDA), ``b`` ``[1, N, HV]`` (activation dtype); ``o`` ``[1, N, HV, V]``; checkpoints ``h0_source``
-    ``[slots, HV, V, K]`` (any float dtype) at ``h0_indices`` ``[N]``; ring buffers and cursor words as
+    """Grid ``(cdiv(V, BV), N * HV)``, one program per ``BV`` value columns of a request's value head, as
+    SGLang's decode: its tile loaded and stored as ``[BV, K]``, K the fast axis, as SGLang's packed kernels hold
+    it (``V_MAJOR``; transposed in registers to the ``[K, BV]`` of the shared arithmetic, which ``tl.trans``
+    does without moving data) or as its generic kernel holds it (``V_MAJOR`` false). Inputs: ``q, k``
+    ``[1, N, H, K]``, ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV]`` (GDN) or ``[N, HV*K]`` (KDA), ``b``
+    ``[1, N, HV]`` (activation dtype); ``o`` ``[1, N, HV, V]``; checkpoints ``h0_source`` ``[slots, HV, V, K]``
+    (any float dtype) at ``h0_indices`` ``[N]``; ring buffers and cursor words as
     :class:`~.ring.ReplayRing` at ``rec_indices`` ``[N]`` (distinct). ``K`` a power of two.
 
     A real row (both indices non-negative) loads its checkpoint tile in float32, replays the ``count``
