@@ -73,8 +73,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
-                                             replay_verify, replay_write_through)
-    from sglang_ssm_modes.ops.replay.decode import replay_write_through_kernel, serves_write_through
+                                             replay_verify, replay_write_through, replay_write_through_verify)
+    from sglang_ssm_modes.ops.replay.decode import serves_write_through
+    from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel, serves_write_through_verify
     from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel, served_launches)
 
@@ -104,18 +105,23 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     round_beta = d == 1 and not is_kda  # as served: a GDN decode rounds beta as SGLang's packed kernel
 
-    def writes_through(variant):  # whether a decode step of this variant is a write-through (a variant with
+    def writes_through(variant):  # whether a step of this variant is a write-through (a variant with
         through = variant.get("write_through")  # output-only options times the output-only path)
         if through is None:
-            through = variant == {} and serves_write_through(batch, is_kda, history, sd)
-        return d == 1 and through
+            through = variant == {} and (serves_write_through(batch, is_kda, history, sd) if d == 1 else
+                                         serves_write_through_verify(batch, is_kda, sd))
+        return through
 
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
         kw = {key: value for key, value in variant.items() if key != "write_through"}  # the launch's tile
         through = writes_through(variant)
 
         def step(r):
-            if through and kw:  # a write-through tiled otherwise than served
+            if through and d > 1:  # fold + window from the checkpoint, then the cursor moved
+                replay_write_through_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
+                                            groups[r], ring, groups[r], is_kda=is_kda, **kw)
+                advance(ring, groups[r], accepted, window=d)
+            elif through and kw:  # a write-through tiled otherwise than served
                 replay_write_through(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
                                      groups[r], ring, groups[r], is_kda=is_kda, round_beta=round_beta, **kw)
             elif d == 1:  # the served plain decode (cursor settled inside)
@@ -137,13 +143,18 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def fused_path(variant):  # what a timed step of the variant runs
         if writes_through(variant):
             tile = {key: value for key, value in variant.items() if key != "write_through"}
+            if d > 1:
+                return (f"replay_write_through_verify[write-through](fold, checkpoint written, cursor emptied, "
+                        f"window from the checkpoint, records{', ' + str(tile) if tile else ''})+advance(window={d})")
             return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
                     f"{', ' + str(tile) if tile else ''})")
         return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"
                 f"+advance(window={d})")
 
-    def fused_bytes(variant):  # write-through: native's bytes (in the timed steady state no history is left)
-        return 2 * batch * state_bytes if writes_through(variant) else replay_bytes
+    def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
+        if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
+            return replay_bytes  # the window's written
+        return 2 * batch * state_bytes + (batch * d + int(accepted.sum())) * rec * (d > 1)
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)

@@ -1,5 +1,5 @@
 """Registers and spills per thread of the replay verify's two kernels (window and output; with
-``--write-through`` also the plain decode's write-through kernel), compiled for
+``--write-through`` also the write-through kernel: decode at D = 1, verify above), compiled for
 an H100/H200 (sm_90a) on any machine, GPU or not: Triton compiles each kernel to PTX and the ``ptxas``
 shipped in Triton's wheel reports what it allocates. A CPU-side loop for kernel work between GPU
 sessions (the GPU bench reports the same figures from the loaded kernels: ``bench_replay.py``'s
@@ -12,7 +12,7 @@ not across machines).
 
 Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
 window kernel, of the output kernel and, with ``--one-launch``, of the one-launch kernel at that tiling; with
-``--write-through``, of the write-through kernel at its only tiling, SGLang's decode tile).
+``--write-through``, of the write-through kernel at its served tiling).
 """
 
 from __future__ import annotations
@@ -96,19 +96,21 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     return out
 
 
-def write_through_resources(family: str, state_dtype: str, history: int) -> tuple[int, int]:
-    """``(registers per thread, spill-store bytes)`` of the write-through decode kernel as served (bf16
-    activations; GDN rounds beta as SGLang's packed decode, KDA's beta comes activated)."""
-    from sglang_ssm_modes.ops.replay.decode import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
-                                                    replay_write_through_kernel)
+def write_through_resources(family: str, state_dtype: str, history: int, draft: bool) -> tuple[int, int]:
+    """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
+    a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
+    activated)."""
+    from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
+                                                           replay_write_through_kernel)
 
     is_kda = family == "kda"
     pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
-                    h0_source=STATE[state_dtype], h0_indices="i32", r_g="fp32", r_beta="fp32", r_kraw="bf16",
+                    h0_source=STATE[state_dtype], h0_indices="i32", r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16",
                     r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32", r_faults="i32", r_tickets="i32",
                     rec_indices="i32")
     consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BV=min(WRITE_THROUGH_BLOCK_V, V),
-                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not is_kda, V_MAJOR=WRITE_THROUGH_V_MAJOR)
+                  L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not (is_kda or draft),
+                  V_MAJOR=WRITE_THROUGH_V_MAJOR, DRAFT=draft)
     return _ptxas_resources(replay_write_through_kernel, pointers, consts, num_warps=1, num_stages=3)
 
 
@@ -150,15 +152,14 @@ def main(argv=None) -> int:
     p.add_argument("--one-launch", action="store_true",
                    help="also the one-launch kernel (ops.replay.verify.replay_step_kernel) at each tiling")
     p.add_argument("--write-through", action="store_true",
-                   help="also the plain decode's write-through kernel (ops.replay.decode; needs --draft-tokens 1)")
+                   help="also the write-through kernel (ops.replay.write_through): plain decode at --draft-tokens 1, "
+                        "verify above")
     args = p.parse_args(argv)
     tilings = parse_output_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
-    if args.write_through and args.draft_tokens != 1:
-        p.error("--write-through is a plain decode's kernel: pass --draft-tokens 1")
     kernels = ["window", "output"] + ["one-launch"] * args.one_launch + ["write-through"] * args.write_through
     print("| family | state | L | fold | output tiling | " + " | ".join(f"{k} kernel regs / spills" for k in kernels)
           + " |\n|---|---|---|---|---|" + "---|" * len(kernels))
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
                                                               args.fold, tilings):
         res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch)
         if args.write_through:
-            res["write-through"] = write_through_resources(fam, dt, L)
+            res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
               flush=True)
     return 0

@@ -12,7 +12,7 @@ from kernel_cases import (DEVICE, call_replay_verify, compiled_variants, flat_in
 
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
-from sglang_ssm_modes.ops.replay.decode import replay_write_through_kernel
+from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
                                                 WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,

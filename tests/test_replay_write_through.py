@@ -1,4 +1,4 @@
-"""Replay's write-through decode (``ops.replay.decode``): SGLang 0.5.14's decode bit for bit from an empty
+"""Replay's write-through decode (``ops.replay.write_through``): SGLang 0.5.14's decode bit for bit from an empty
 history, the pending history folded first otherwise (against SGLang's decode of every token, float32 bit for
 bit, and the float64 reference), the cursor emptied by the last program to read it, switching freely with
 the output-only path, and the served choice between the two."""
@@ -13,10 +13,9 @@ from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, rin
 
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
                                          replay_write_through)
-from sglang_ssm_modes.ops.replay import decode as decode_module
-from sglang_ssm_modes.ops.replay.decode import (WRITE_THROUGH_BELOW, WRITE_THROUGH_BLOCK_V,
-                                                replay_write_through_kernel, serves_write_through,
-                                                write_through_max_requests)
+from sglang_ssm_modes.ops.replay import write_through as write_through_module
+from sglang_ssm_modes.ops.replay.decode import WRITE_THROUGH_BELOW, serves_write_through, write_through_max_requests
+from sglang_ssm_modes.ops.replay.write_through import WRITE_THROUGH_BLOCK_V, replay_write_through_kernel
 from sglang_ssm_modes.reference import LinearAttnInputs, replay_forward, write_through
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -34,7 +33,7 @@ def _decode(params, x, family, n, pool, state_idx, ring, rec_idx, write_through,
 @pytest.fixture(params=[True, False], ids=["vk", "kv"])
 def v_major(request, monkeypatch):
     """Each write-through tile orientation in turn (``[BV, K]`` as served, then ``[K, BV]``)."""
-    monkeypatch.setattr(decode_module, "WRITE_THROUGH_V_MAJOR", request.param)
+    monkeypatch.setattr(write_through_module, "WRITE_THROUGH_V_MAJOR", request.param)
     return request.param
 
 

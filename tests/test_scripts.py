@@ -215,12 +215,16 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
     assert len(row.split("|")) == 11
     regs, spills = (int(x) for x in row.split("|")[-2].split("/"))
     assert 16 <= regs <= 255 and spills == 0, "the write-through holds SGLang's decode tile without spilling"
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "16x1", "--draft-tokens", "4",
+                "--write-through", env=env)  # the write-through verify: its served tile, no spills either
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    regs, spills = (int(x) for x in proc.stdout.strip().splitlines()[-1].split("|")[-2].split("/"))
+    assert 16 <= regs <= 255 and spills == 0
 
 
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
                                  ["--tilings", "medium"], ["--histories", "12"],
-                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"],
-                                 ["--write-through", "--draft-tokens", "2"]])
+                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"]])
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
         kernel_registers.main(bad)

@@ -57,10 +57,11 @@ def l2normalize(b_x):
 
 
 @triton.jit
-def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
+def delta_rule_update_u(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
     """One token of the gated delta rule on a ``[BK, BV]`` float32 state tile ``b_h`` (``h[k, v]``)
     with normalised ``b_k`` ``[BK]``, ``b_v`` ``[BV]``: ``h *= exp(g); v -= sum_k h k; v *= beta;
-    h += k v^T``. Returns the new tile."""
+    h += k v^T``. Returns the new tile and the token's update ``u = beta (v - h k)`` ``[BV]`` (the
+    ``u`` a replay ring records)."""
     if IS_KDA:
         b_h *= tl.exp(b_g[:, None])
     else:
@@ -68,6 +69,13 @@ def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
     b_v -= tl.sum(b_h * b_k[:, None], 0)
     b_v *= b_beta
     b_h += b_k[:, None] * b_v[None, :]
+    return b_h, b_v
+
+
+@triton.jit
+def delta_rule_update(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
+    """:func:`delta_rule_update_u`'s new tile alone."""
+    b_h, _ = delta_rule_update_u(b_h, b_k, b_v, b_g, b_beta, IS_KDA)
     return b_h
 
 

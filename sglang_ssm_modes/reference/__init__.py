@@ -11,10 +11,10 @@
 from .compact import CompactRecords, compact_commit, compact_verify
 from .gating import GateParams, LinearAttnInputs, prepare
 from .native import accepted_path, chain_verify, chunked_prefill, decode, delta_rule_step, scatter_accepted, tree_verify
-from .replay import ReplayRecords, fold, replay_forward, write_through
+from .replay import ReplayRecords, fold, replay_forward, write_through, write_through_verify
 
 __all__ = [
     "CompactRecords", "GateParams", "LinearAttnInputs", "ReplayRecords", "accepted_path", "chain_verify",
     "chunked_prefill", "compact_commit", "compact_verify", "decode", "delta_rule_step", "fold", "prepare",
-    "replay_forward", "scatter_accepted", "tree_verify", "write_through",
+    "replay_forward", "scatter_accepted", "tree_verify", "write_through", "write_through_verify",
 ]

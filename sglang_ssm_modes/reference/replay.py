@@ -114,3 +114,15 @@ def write_through(checkpoint: torch.Tensor, records: ReplayRecords | None, input
         h = fold(h, records, compute_dtype)
     o, h = decode(h, inputs, params, compute_dtype)
     return o, h.to(checkpoint.dtype)
+
+
+def write_through_verify(checkpoint: torch.Tensor, records: ReplayRecords | None, inputs: LinearAttnInputs,
+                         params: GateParams, compute_dtype: torch.dtype = torch.float32
+                         ) -> tuple[torch.Tensor, ReplayRecords, torch.Tensor]:
+    """The write-through verify of a window of T draft tokens per request: the history (None: empty) folded
+    into the checkpoint (:func:`fold`, rounded once to its dtype), then the window's outputs and records
+    against the folded checkpoint and an empty history (:func:`replay_forward`). Returns ``(o [N, T, HV, V]
+    in compute_dtype, the window's records, the folded checkpoint [N, HV, V, K])``."""
+    h = checkpoint if records is None else fold(checkpoint, records, compute_dtype)
+    o, window = replay_forward(h, None, inputs, params, compute_dtype)
+    return o, window, h

@@ -44,7 +44,7 @@ class ReplayRing:
     * ``folds`` ``[R]`` int32: folds of the slot so far; ``faults`` ``[R]`` int32: :data:`FAULT_NONFINITE` /
       :data:`FAULT_OVERFLOW` bits;
     * ``tickets`` ``[R]`` int32: how many programs of a write-through that folds this slot have read its cursor,
-      modulo their number (:func:`~.decode.replay_write_through_kernel`: the last one empties the cursor). 0
+      modulo their number (:func:`~.write_through.replay_write_through_kernel`: the last one empties the cursor). 0
       between launches whose record slots are distinct, as a served batch's are; a batch repeating a slot
       (CUDA-graph capture runs every row on SGLang's dummy slot, which no request is given) can leave it
       nonzero there, and a nonzero count would make the slot's next write-through empty its cursor too early —
