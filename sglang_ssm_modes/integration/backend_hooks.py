@@ -31,7 +31,9 @@ import torch
 from ..acceptance import StateAcceptance
 from ..ops.compact import FAST_VERIFY_TILE, compact_verify
 from ..ops.native import native_verify
-from ..ops.replay import clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify
+from ..ops.replay import (clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify,
+                          replay_write_through_verify)
+from ..ops.replay.write_through import serves_write_through_verify
 from ..pool import ModeMambaPool
 
 
@@ -103,6 +105,9 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
             if draft != pool.mode_config.draft_tokens:  # the window StateAcceptance settles folds with
                 raise RuntimeError(f"replay verify of {draft} draft tokens on a pool built for "
                                    f"{pool.mode_config.draft_tokens}")
+            if serves_write_through_verify(bs, kda, ssm.dtype):  # small batches: native's outputs and bytes
+                return replay_write_through_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring,
+                                                   indices, **common)
             # folds where the window would overflow, in the same launch; StateAcceptance settles the cursor
             return replay_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, **common)
         fold_into_checkpoints(ssm, indices, ring, indices, indices >= 0, is_kda=kda)  # tree: compact's path
