@@ -6,7 +6,10 @@
   write-through for small batches — fold + token + checkpoint written, one launch — else the output-only
   verify of one token with the fold fused, cursor advance; variants ``:through`` / ``:nothrough`` force one).
 * ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
-  KDA ours); replay = masked fold, output-only verify of D tokens, cursor advance.
+  KDA ours); replay = its served chain verify + cursor advance: write-through for small batches
+  (``ops.replay.write_through.serves_write_through_verify``: the accepted records folded into the checkpoint,
+  written, and the window run from it, one launch) else output-only with the fold fused; ``:through`` /
+  ``:nothrough`` force one.
 * ``upstream-replayssm`` rows (decode only): upstream SGLang's ReplaySSM decode kernel from the
   sglang 0.5.23 wheel (``scripts/upstream_replayssm.py``; ``--upstream DIR``, by default the folder its
   ``extract`` fills), on the same pool with its own ring of L - 1 records and cursors spread the same
@@ -258,7 +261,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
 
 WRITE_THROUGH_TILE = ("block_v", "num_warps", "num_stages", "v_major")
-"""The keywords of ``ops.replay.decode.replay_write_through`` a ``:through`` variant may set."""
+"""The keywords of ``ops.replay.write_through.replay_write_through`` (and ``_verify``) a ``:through`` variant may
+set."""
 
 
 def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
@@ -294,7 +298,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
-                             "launch or after it), :through / :nothrough (decode written through or output-only), "
+                             "launch or after it), :through / :nothrough (written through or output-only), "
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV])")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
@@ -403,8 +407,9 @@ def main(argv=None) -> int:
                         "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
                         "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
-                        "written through to the checkpoint (served:through) or output-only (:nothrough; default: "
-                        "ops.replay.decode.serves_write_through, by batch). The first listed is plotted: list the "
+                        "or verify written through to the checkpoint (served:through) or output-only "
+                        "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
+                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch). The first listed is plotted: list the "
                         "served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
