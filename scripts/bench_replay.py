@@ -112,7 +112,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         through = variant.get("write_through")  # output-only options times the output-only path)
         if through is None:
             through = variant == {} and (serves_write_through(batch, is_kda, history, sd) if d == 1 else
-                                         serves_write_through_verify(batch, is_kda, sd))
+                                         serves_write_through_verify(batch, is_kda, history, sd))
         return through
 
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
@@ -409,8 +409,8 @@ def main(argv=None) -> int:
                         "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
                         "or verify written through to the checkpoint (served:through) or output-only "
                         "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
-                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch). The first listed is plotted: list the "
-                        "served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
+                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch). The first "
+                        "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")

@@ -139,7 +139,8 @@ def test_verify_hooks_match_native(family, draft, tree, replay_path, monkeypatch
     else:
         torch.testing.assert_close(out["replay"][0, real].float(), out["native"][0, real].float(), rtol=2e-2,
                                    atol=2e-2)
-    assert chosen == ([] if tree else [(slots.shape[0], family == "kda", torch.float32)]), "the served choice, once"
+    history = pools["replay"].mamba_pool.mode_config.replay_history
+    assert chosen == ([] if tree else [(slots.shape[0], family == "kda", history, torch.float32)]), "the choice, once"
     for m, p in pools.items():
         assert torch.equal(p.mamba_pool.mamba_cache.temporal, before), f"{m} verify wrote the state"
     rows = torch.arange(slots.shape[0])[slots.cpu() >= 0]
@@ -207,7 +208,8 @@ def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype
     slots = torch.tensor([3, 1, -1, 5, 2], dtype=torch.int32, device=DEV)
     real = (slots >= 0).repeat_interleave(draft)  # SGLang's kernel leaves padding rows' outputs unwritten
     native, compact, replay = (pools[m].mamba_pool for m in ("native", "compact", "replay"))
-    exact = tree or serves_write_through_verify(slots.shape[0], family == "kda", state_dtype)
+    exact = tree or serves_write_through_verify(slots.shape[0], family == "kda", replay.mode_config.replay_history,
+                                                state_dtype)
     for r in range(rounds):
         inputs = [verify_inputs(slots.shape[0], draft, gen, family) for _ in layers]
         outs = {m: [verify(backends[m], layer, slots, draft, x, tree) for layer, x in zip(layers, inputs)]

@@ -105,7 +105,7 @@ def _verify(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv, a, b,
             if draft != pool.mode_config.draft_tokens:  # the window StateAcceptance settles folds with
                 raise RuntimeError(f"replay verify of {draft} draft tokens on a pool built for "
                                    f"{pool.mode_config.draft_tokens}")
-            if serves_write_through_verify(bs, kda, ssm.dtype):  # small batches: native's outputs and bytes
+            if serves_write_through_verify(bs, kda, ring.history, ssm.dtype):  # native's outputs and bytes
                 return replay_write_through_verify(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring,
                                                    indices, **common)
             # folds where the window would overflow, in the same launch; StateAcceptance settles the cursor
