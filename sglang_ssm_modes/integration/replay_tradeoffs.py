@@ -2,8 +2,8 @@
 at startup so that a user who chose ``--ssm-state-mode replay`` for speed learns where it does not pay.
 
 Kernel-level ratios (native µs / replay µs, one run side by side, CUDA-graph replay over rotating
-slots, folds amortised as in serving) measured on an NVIDIA H200 (the write-through decode as served now: on
-an H100; each source names its card) at Qwen3-Next (GDN) and Kimi-Linear (KDA) head shapes; the sources are
+slots, folds amortised as in serving) measured on an NVIDIA H200 or H100 (each source names its card) at
+Qwen3-Next (GDN) and Kimi-Linear (KDA) head shapes; the sources are
 under ``bench/results/`` (README "Results"). A configuration that was not measured says so instead of guessing.
 """
 
@@ -15,13 +15,7 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 from ..ops.replay.decode import state_bytes, write_through_max_requests
-
-OFFICIAL = "bench/results/replay_h200.md, commit 34d5527"
-SOURCES = {**{(family, L): OFFICIAL for family in ("gdn", "kda") for L in (16, 32, 64)},
-           **{("gdn", L): OFFICIAL + "; below 32 requests bench/results/replay/onelaunch_bound_20261204, commit "
-                                     "b29f6ef" for L in (32, 64)}}
-"""Where the figures of each ``(family, history)`` come from (GDN's cells of 1 and 8 requests at L = 32 and 64,
-as served now, from a later run than the rest: ratios within one run each, not across)."""
+from ..ops.replay.write_through import WRITE_THROUGH_VERIFY_BELOW
 
 OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
 WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"
@@ -51,29 +45,32 @@ WRITE_THROUGH_SPEED = {
 }
 """Write-through decode against native per ``(family, state bytes)`` (a steady write-through has no history, so
 one figure for every L), and whether it was never faster than native."""
-LOW_PRECISION_DECODE = ("where plain decode writes through, a {dtype} state rounds after every token as native's "
-                        "does; output-only decode and speculative rounds round it once per fold (bench/results/"
-                        "replay/drift_20261203: a third to a half of native's drift over 10 000 tokens)")
-VERIFY = {
-    ("gdn", 16): ("a D = 4 speculative round 0.92-0.99x native below 32 requests, 1.63-2.05x from 32 to 256", False),
-    ("kda", 16): ("a D = 4 speculative round 0.99-1.04x native below 32 requests, 1.71-1.82x from 32 to 256", False),
-    ("gdn", 32): ("a D = 4 speculative round 0.63x native at 1 request, 0.85x at 8, 1.20-1.85x from 32 to 256",
-                  False),
-    ("kda", 32): ("a D = 4 speculative round 0.78-0.84x native below 32 requests, 1.18-1.73x from 32 to 256", False),
-    ("gdn", 64): ("a D = 4 speculative round 0.72x native at 1 request, 0.90x at 8, 1.09-1.40x from 32 to 256",
-                  False),
-    ("kda", 64): ("a D = 4 speculative round 0.81-0.95x native below 128 requests, 1.08-1.09x at 128-256", False),
+LOW_PRECISION_DECODE = ("where plain decode or a speculative verify writes through, a {dtype} state rounds where "
+                        "native's does (after every token, every accepted prefix); output-only decode and verify "
+                        "round it once per fold (bench/results/replay/drift_20261203: a third to a half of "
+                        "native's drift over 10 000 tokens)")
+VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commit 08d2506, H100"
+"""Where the chain-verify figures come from: both paths side by side with native in one run, D = 2 and 4."""
+WRITE_THROUGH_VERIFY = ("a write-through verify is SGLang's verify + scatter in one launch (the scatter deferred "
+                        "into the next verify, no per-step states; outputs and committed state native's bits)")
+WRITE_THROUGH_VERIFY_SPEED = {
+    ("gdn", 4): "1.11-1.73x native at every batch measured",
+    ("kda", 4): "1.51-1.91x native at every batch measured",
+    ("gdn", 2): "1.00-1.21x native at every batch measured",
+    ("kda", 2): ("1.06-1.13x native at 1 request, 0.86-0.99x from 8 (a 2-byte state halves native's bytes, not "
+                 "the records'; for speed pass --mamba-ssm-dtype float32)"),
 }
-"""Chain verify + acceptance (float32 state, D = 4) per ``(family, history)``: the sentence, and whether replay
-was slower than native at every batch measured."""
-
-FASTEST_HISTORY = " (L = 16 is the fastest history)"
-"""The hint a float32 pool's warning ends with."""
-LOW_PRECISION_VERIFY = ("with a {dtype} state a D = 4 speculative round was slower than native below 32 requests "
-                        "(L = 16, bfloat16: 0.75-0.80x GDN, 0.62x KDA) and faster from 32 (1.14-1.50x GDN, "
-                        "1.06-1.33x KDA; float16 not measured): native's 2-byte state moves half the bytes of a "
-                        "float32 one, replay's history reads do not shrink. For speed pass --mamba-ssm-dtype "
-                        "float32; for memory, --ssm-state-mode compact")
+"""A speculative round (verify + acceptance) written through, against native, per ``(family, state bytes)`` (a
+steady write-through folds only the last round's records, so one figure for every L)."""
+OUTPUT_ONLY_VERIFY = {
+    ("gdn", 16, 4): "2.04-2.67x native from 32 to 256 requests",
+    ("kda", 16, 4): "1.94-2.40x native from 32 to 256 requests",
+    ("gdn", 64, 4): "1.84-1.99x native at 128-256 requests",
+    ("gdn", 16, 2): "1.40-1.93x native from 32 to 256 requests",
+    ("kda", 16, 2): "1.24-1.71x native from 32 to 256 requests",
+}
+"""A speculative round served output-only (from ``ops.replay.write_through.WRITE_THROUGH_VERIFY_BELOW`` requests
+on) per ``(family, history, state bytes)``: the measured ratio there (faster than native in every cell)."""
 
 
 def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tuple[str, bool]:
@@ -94,6 +91,21 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
             through_slower and output_only_slower)
 
 
+def verify_sentence(family: str, history: int, state_dtype: torch.dtype) -> str:
+    """How a replay pool of this family, history and state dtype serves a chain speculative verify, with the
+    measured ratios of both paths (:data:`WRITE_THROUGH_VERIFY_SPEED`, :data:`OUTPUT_ONLY_VERIFY`)."""
+    nbytes = state_bytes(state_dtype)
+    below = WRITE_THROUGH_VERIFY_BELOW[(family, max(history, 16), nbytes)]
+    through = f"{WRITE_THROUGH_VERIFY}: {WRITE_THROUGH_VERIFY_SPEED[(family, nbytes)]}"
+    if below is None:
+        return (f"a speculative chain verify writes through at every batch (output-only verify was measured slower "
+                f"than that at every batch for this history and state): {through} ({VERIFY_SOURCE})")
+    measured = "" if history >= 16 else " (measured at L = 16)"
+    return (f"a speculative chain verify writes through below {below} requests per step, counting a CUDA graph's "
+            f"padding ({through}); output-only from {below}: "
+            f"{OUTPUT_ONLY_VERIFY[(family, max(history, 16), nbytes)]}{measured} ({VERIFY_SOURCE})")
+
+
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
                      tree_verify: bool) -> list[tuple[int, str]]:
     """``(logging level, sentence)`` pairs on replay's speed against native for a replay pool of this
@@ -112,22 +124,11 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
             if state_dtype != torch.float32 else FASTEST_HISTORY))
     out = [(logging.WARNING if slower else logging.INFO,
             f"replay kernels against native ({where}, {state} state): {decode}")]
-    key = (family, cfg.replay_history)
     if state_dtype != torch.float32:
         out.append((logging.INFO, f"replay ({where}): " + LOW_PRECISION_DECODE.format(dtype=state)))
-        if spec_chain:
-            out.append((logging.WARNING, "replay " + LOW_PRECISION_VERIFY.format(dtype=state)))
-    elif spec_chain and key in VERIFY:
-        text, slower_everywhere = VERIFY[key]
-        text += f" ({SOURCES[key]})"
-        if slower_everywhere:
-            text += ": slower than native at every batch measured" + FASTEST_HISTORY
-        out.append((logging.WARNING if slower_everywhere else logging.INFO,
-                    f"replay kernels against native ({where}, float32 state, H200): {text}"))
-    elif spec_chain:
-        measured = sorted({L for _, L in SOURCES})
-        out.append((logging.INFO, f"replay ({where}): a speculative round's speed against native not measured "
-                                  f"for this history (measured: L = {', '.join(map(str, measured))})"))
+    if spec_chain:
+        out.append((logging.INFO, f"replay kernels against native ({where}, {state} state): "
+                                  + verify_sentence(family, cfg.replay_history, state_dtype)))
     if cfg.draft_tokens > 1 and tree_verify:
         out.append((logging.INFO, "replay's tree verify runs compact's kernels: bench/results/compact_h200.md"))
     return out
