@@ -49,15 +49,15 @@ LOW_PRECISION_DECODE = ("where plain decode or a speculative verify writes throu
                         "native's does (after every token, every accepted prefix); output-only decode and verify "
                         "round it once per fold (bench/results/replay/drift_20261203: a third to a half of "
                         "native's drift over 10 000 tokens)")
-VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commit 08d2506, H100"
+VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commits 08d2506 and 7f7be68, H100"
 """Where the chain-verify figures come from: both paths side by side with native in one run, D = 2 and 4."""
 WRITE_THROUGH_VERIFY = ("a write-through verify is SGLang's verify + scatter in one launch (the scatter deferred "
                         "into the next verify, no per-step states; outputs and committed state native's bits)")
 WRITE_THROUGH_VERIFY_SPEED = {
-    ("gdn", 4): "1.11-1.73x native at every batch measured",
-    ("kda", 4): "1.51-1.91x native at every batch measured",
+    ("gdn", 4): "1.03-1.73x native at every batch measured",
+    ("kda", 4): "1.48-1.92x native at every batch measured",
     ("gdn", 2): "1.00-1.21x native at every batch measured",
-    ("kda", 2): ("1.06-1.13x native at 1 request, 0.86-0.99x from 8 (a 2-byte state halves native's bytes, not "
+    ("kda", 2): ("0.97-1.13x native at 1 request, 0.85-0.99x from 8 (a 2-byte state halves native's bytes, not "
                  "the records'; for speed pass --mamba-ssm-dtype float32)"),
 }
 """A speculative round (verify + acceptance) written through, against native, per ``(family, state bytes)`` (a
@@ -65,12 +65,16 @@ steady write-through folds only the last round's records, so one figure for ever
 OUTPUT_ONLY_VERIFY = {
     ("gdn", 16, 4): "2.04-2.67x native from 32 to 256 requests",
     ("kda", 16, 4): "1.94-2.40x native from 32 to 256 requests",
+    ("gdn", 32, 4): "2.17-2.42x native from 64 to 256 requests",
+    ("kda", 32, 4): "1.61-2.16x native from 64 to 256 requests",
     ("gdn", 64, 4): "1.84-1.99x native at 128-256 requests",
     ("gdn", 16, 2): "1.40-1.93x native from 32 to 256 requests",
     ("kda", 16, 2): "1.24-1.71x native from 32 to 256 requests",
+    ("gdn", 32, 2): "1.14-1.53x native from 32 to 256 requests",
+    ("kda", 32, 2): "0.98-1.27x native from 32 to 256 requests",
 }
 """A speculative round served output-only (from ``ops.replay.write_through.WRITE_THROUGH_VERIFY_BELOW`` requests
-on) per ``(family, history, state bytes)``: the measured ratio there (faster than native in every cell)."""
+on) per ``(family, history, state bytes)``: the measured ratio there."""
 
 
 def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tuple[str, bool]:

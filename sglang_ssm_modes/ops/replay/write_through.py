@@ -230,19 +230,22 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
-    ("gdn", 32, 4): 32, ("kda", 32, 4): 32, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
+    ("gdn", 32, 4): 64, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
     ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
 (:func:`~.verify.replay_verify`; None: never — write-through at every batch). Measured side by side on an H100
-(bench/results/replay/writethrough_verify_20261205, commit 08d2506; speedup of a speculative round, verify +
-acceptance, over SGLang's verify + scatter, write-through / output-only, D = 2 and 4): float32 L = 16 GDN
-1.14-1.55 / 0.89-1.16x below 32 requests, 1.63-1.71 / 2.04-2.67x from 32; KDA 1.51-1.77 / 0.84-1.16x below
-32, 1.58-1.72 / 1.94-2.40x from 32; L = 64 GDN 1.59-1.69 / 1.39-1.53x at 32-64, 1.69-1.73 / 1.84-1.99x at
-128-256; KDA write-through ahead everywhere (1.56-1.91 / 0.74-1.45x). bfloat16: L = 16 write-through ahead
-below 32 (GDN 1.00-1.15 / 0.72-0.91x, KDA 0.89-1.11 / 0.62-0.76x), output-only from 32 (GDN 1.40-1.93x, KDA
-1.24-1.71x); L = 64 write-through ahead or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 /
-0.48-0.84x). The same bounds for D = 2 and D = 4. A history of L < 16 takes L = 16's bound, L = 32 ..."""
+(bench/results/replay/writethrough_verify_20261205: L = 16 and 64 at commit 08d2506, L = 32 at 7f7be68; speedup
+of a speculative round, verify + acceptance, over SGLang's verify + scatter, write-through / output-only, D = 2
+and 4, the same bounds for both). float32: L = 16 GDN 1.14-1.55 / 0.89-1.16x below 32 requests, 1.63-1.71 /
+2.04-2.67x from 32; KDA 1.51-1.77 / 0.84-1.16x below 32, 1.58-1.72 / 1.94-2.40x from 32; L = 32 GDN 1.60-1.66 /
+1.47-1.70x at 32, 1.66-1.71 / 2.17-2.42x from 64; KDA 1.54-1.70 / 1.34-1.48x at 32, 1.59-1.63 / 1.61-2.16x from
+64; L = 64 GDN 1.59-1.69 / 1.39-1.53x at 32-64, 1.69-1.73 / 1.84-1.99x at 128-256; KDA write-through ahead
+everywhere (1.56-1.91 / 0.74-1.45x). bfloat16: L = 16 write-through ahead below 32 (GDN 1.00-1.15 / 0.72-0.91x,
+KDA 0.89-1.11 / 0.62-0.76x), output-only from 32 (GDN 1.40-1.93x, KDA 1.24-1.71x against 0.86-1.21x); L = 32
+likewise (output-only from 32: GDN 1.14-1.53x, KDA 0.98-1.27x against 0.85-1.20x); L = 64 write-through ahead
+or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). A history of L < 16 takes L = 16's
+bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
 def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
