@@ -7,7 +7,7 @@ import torch
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
 
 from kernel_cases import flat_inputs, to_device
-from sglang_ssm_modes.acceptance import StateAcceptance
+from sglang_ssm_modes.acceptance import StateAcceptance, state_acceptance
 from sglang_ssm_modes.ops.compact import compact_verify
 from sglang_ssm_modes.ops.replay import after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
@@ -51,7 +51,21 @@ def _materialised(pool):
 
 
 @pytest.mark.usefixtures("cuda_scratch_on_cpu")
-def test_acceptance_rounds_agree_with_native_in_every_mode():
+@pytest.mark.parametrize("layers_per_launch", [None, 1])
+def test_acceptance_rounds_agree_with_native_in_every_mode(layers_per_launch, monkeypatch):
+    """Rounds of verify + commit (tracked snapshots included) in every mode against native. Compact and replay
+    commit every layer in the same launches: per commit, compact 2 commit launches (snapshot, commit), replay 2
+    cursor launches and 1 fold whatever the layer count; where CUDA's grid limit splits the layers
+    (``layers_per_launch`` 1: a launch a layer) the result is the same."""
+    if layers_per_launch is not None:
+        monkeypatch.setattr(state_acceptance, "GRID_Y", layers_per_launch * N * HV)
+    calls = {"compact_commit": 0, "replay_fold": 0, "advance": 0}
+    for name in calls:
+        real = getattr(state_acceptance, name)
+        monkeypatch.setattr(state_acceptance, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.__setitem__(_name, calls[_name] + 1)
+                            or _real(*a, **kw))
+    groups = 1 if layers_per_launch is None else -(-LAYERS // layers_per_launch)
     pools = {m: make_pool(m, draft_tokens=D, size=SIZE, history=8) for m in ("native", "compact", "replay")}
     gen = torch.Generator().manual_seed(61)
     init = torch.randn(LAYERS, SIZE + 1, HV, VD, KD, generator=gen) * 0.3
@@ -71,7 +85,12 @@ def test_acceptance_rounds_agree_with_native_in_every_mode():
         steps = torch.minimum(torch.randint(0, D, (N,), generator=gen), last.clamp_min(0))
         steps[1] = -1
         for pool in pools.values():
+            before = dict(calls)
             StateAcceptance(pool).commit(state_idx, last, track_indices=track, steps_to_track=steps)
+            launches = {name: calls[name] - before[name] for name in calls}
+            mode = pool.mode_config.mode
+            assert launches == {"compact_commit": 2 * groups * (mode == "compact"),
+                                "replay_fold": groups * (mode == "replay"), "advance": 2 * (mode == "replay")}
         native = pools["native"].mamba_cache.temporal
         diff = (pools["compact"].mamba_cache.temporal != native).flatten(2).any(-1)
         assert not diff.any(), f"round {rnd}: slots differing per layer {diff.nonzero().tolist()}"

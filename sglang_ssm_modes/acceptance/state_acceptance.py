@@ -14,7 +14,9 @@ with the base token counted; -1 = nothing), plus the radix cache's tracked snaps
   tracked snapshots are materialised from checkpoint + records into their slots.
 
 Each model (target, draft) has its own pool and so its own ``StateAcceptance``: their commit records
-never mix. Only device ops: no host synchronisation. The conv window is committed beside it, in every
+never mix. Only device ops: no host synchronisation; compact and replay commit every linear layer in the same
+launches (the pool's stacked per-layer buffers seen as one set of slots), so a step's commit costs a handful of
+launches whatever the model's depth — it runs eagerly after the verify, outside CUDA graphs. The conv window is committed beside it, in every
 mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit hook).
 """
 
@@ -50,42 +52,83 @@ class StateAcceptance:
         if record_indices is None:
             record_indices = torch.arange(n, dtype=torch.int32, device=state_indices.device)
         temporal = self.pool.mamba_cache.temporal
-        if self.mode == "replay":  # the cursor advance (base token included), once for every layer
-            accepted = (last_index + 1).to(torch.int32)
-            window = self.pool.mode_config.draft_tokens
-        for layer in range(self.pool.num_mamba_layers):
-            if self.mode == "native":
+        if self.mode == "native":
+            for layer in range(self.pool.num_mamba_layers):
                 inter = self.pool.mamba_cache.intermediate_ssm[layer]
                 if track_indices is not None:
                     _scatter_steps(temporal[layer], inter, track_indices, steps_to_track)
                 _scatter_steps(temporal[layer], inter, state_indices, last_index)
-            elif self.mode == "compact":
-                rec = self.pool.layer_records(layer)
-                if track_indices is not None:
-                    compact_commit(temporal[layer], state_indices, rec, record_indices, steps_to_track,
-                                   is_kda=self.is_kda, retrieve_parent_token=retrieve_parent_token,
-                                   dst_states=temporal[layer], dst_indices=track_indices)
-                    if self.pool.replay_rings is not None:  # replay's tree path: the snapshot has no history
-                        clear_history(self.pool.layer_ring(layer), track_indices,
-                                      (steps_to_track >= 0) & (track_indices >= 0))
-                compact_commit(temporal[layer], state_indices, rec, record_indices, last_index, is_kda=self.is_kda,
-                               retrieve_parent_token=retrieve_parent_token)
-            else:
-                if retrieve_parent_token is not None:
-                    raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
-                                     "verify (EAGLE topk > 1) commits through compact's path")
-                ring = self.pool.layer_ring(layer)
-                if track_indices is None:  # the verify's fused folds settle with the accepted lengths
-                    advance(ring, state_indices, accepted, window=window)
-                    continue
-                advance(ring, state_indices, 0, window=window)  # settle the folds: the cursor the snapshots read
-                slots = state_indices.clamp_min(0).long()
-                lengths = ring.count[slots] + steps_to_track.to(ring.count.dtype) + 1
-                tracked = (steps_to_track >= 0) & (track_indices >= 0)
-                replay_fold(temporal[layer], state_indices, ring, state_indices, tracked, is_kda=self.is_kda,
-                            dst=temporal[layer], dst_indices=track_indices, lengths=lengths)
-                clear_history(ring, track_indices, tracked)
-                advance(ring, state_indices, accepted)
+            return
+        # compact and replay: every layer in the same launches, the stacked [layers, slots, ...] buffers seen as
+        # one set of layers x slots (views), each request's row repeated per layer at its layer's offset
+        layers, slots = temporal.shape[:2]
+        states = temporal.view(layers * slots, *temporal.shape[2:])
+        rows = _layer_rows(state_indices, layers, slots)
+        tracked_rows = None if track_indices is None else _layer_rows(track_indices, layers, slots)
+        groups = _launch_groups(layers, n, temporal.shape[2])
+        if self.mode == "compact":
+            rec = _all_layers(self.pool.compact_records)
+            rec_rows = _layer_rows(record_indices, layers, self.pool.compact_records.k.shape[1])
+            parents = None if retrieve_parent_token is None else retrieve_parent_token.repeat(layers, 1)
+            if track_indices is not None:
+                steps = steps_to_track.repeat(layers)
+                for g in groups:
+                    compact_commit(states, rows[g], rec, rec_rows[g], steps[g], is_kda=self.is_kda,
+                                   retrieve_parent_token=None if parents is None else parents[g], dst_states=states,
+                                   dst_indices=tracked_rows[g])
+                if self.pool.replay_rings is not None:  # replay's tree path: the snapshot has no history
+                    ring_tracked = _layer_rows(track_indices, layers, self.pool.replay_rings.count.shape[1])
+                    clear_history(_all_layers(self.pool.replay_rings), ring_tracked,
+                                  (steps >= 0) & (ring_tracked >= 0))
+            last = last_index.repeat(layers)
+            for g in groups:
+                compact_commit(states, rows[g], rec, rec_rows[g], last[g], is_kda=self.is_kda,
+                               retrieve_parent_token=None if parents is None else parents[g])
+            return
+        if retrieve_parent_token is not None:
+            raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
+                             "verify (EAGLE topk > 1) commits through compact's path")
+        ring = _all_layers(self.pool.replay_rings)  # records live with the pool slot: the ring's own rows
+        ring_rows = _layer_rows(state_indices, layers, self.pool.replay_rings.count.shape[1])
+        accepted = (last_index + 1).to(torch.int32).repeat(layers)  # the cursor advance, base token included
+        window = self.pool.mode_config.draft_tokens
+        if track_indices is None:  # the verify's fused folds settle with the accepted lengths
+            advance(ring, ring_rows, accepted, window=window)
+            return
+        advance(ring, ring_rows, 0, window=window)  # settle the folds: the cursor the snapshots read
+        steps = steps_to_track.to(ring.count.dtype).repeat(layers)
+        tracked = (steps >= 0) & (tracked_rows >= 0)
+        lengths = ring.count[ring_rows.clamp_min(0).long()] + steps + 1
+        for g in groups:
+            replay_fold(states, rows[g], ring, ring_rows[g], tracked[g], is_kda=self.is_kda, dst=states,
+                        dst_indices=tracked_rows[g], lengths=lengths[g])
+        clear_history(ring, _layer_rows(track_indices, layers, self.pool.replay_rings.count.shape[1]), tracked)
+        advance(ring, ring_rows, accepted)
+
+
+GRID_Y = 65535
+"""CUDA's limit on a grid's second axis, where the commit and fold kernels put requests x value heads."""
+
+
+def _launch_groups(layers: int, requests: int, heads: int) -> list[slice]:
+    """Slices of layer-major rows (:func:`_layer_rows`) taking as many whole layers a launch as :data:`GRID_Y`
+    allows for ``requests`` x ``heads`` programs a layer: one launch for every layer unless the batch is large."""
+    per = max(1, GRID_Y // max(1, requests * heads))
+    return [slice(first * requests, min(layers, first + per) * requests) for first in range(0, layers, per)]
+
+
+def _all_layers(buffers):
+    """Per-layer buffers stacked ``[layers, R, ...]`` (a :class:`~..ops.compact.CompactRecordBuffers` or
+    :class:`~..ops.replay.ReplayRing`) as one set of ``layers * R`` slots: views, never copies."""
+    return type(buffers)(*(t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for t in buffers.__dict__.values()))
+
+
+def _layer_rows(indices: torch.Tensor, layers: int, per_layer: int) -> torch.Tensor:
+    """``[layers * N]`` int32: each of ``indices`` ``[N]`` in every layer of a ``layers * per_layer`` flattening
+    (layer-major, as :func:`_all_layers`); a negative index (padding, nothing to track) stays -1."""
+    idx = indices.to(torch.int64)[None, :]
+    offsets = torch.arange(layers, dtype=torch.int64, device=indices.device)[:, None] * per_layer
+    return torch.where(idx >= 0, idx + offsets, -1).flatten().to(torch.int32)
 
 
 def _scatter_steps(states: torch.Tensor, intermediate: torch.Tensor, dst_indices: torch.Tensor,
