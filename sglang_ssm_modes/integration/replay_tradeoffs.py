@@ -14,8 +14,8 @@ import logging
 import torch
 
 from ..config import SSMModeConfig, dtype_name
-from ..ops.replay.decode import state_bytes, write_through_max_requests
-from ..ops.replay.write_through import WRITE_THROUGH_VERIFY_BELOW
+from ..ops.replay.decode import write_through_max_requests
+from ..ops.replay.write_through import WRITE_THROUGH_VERIFY_BELOW, state_bytes
 
 OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
 WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"

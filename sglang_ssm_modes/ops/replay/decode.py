@@ -21,7 +21,7 @@ import torch
 
 from .ring import ReplayRing, advance
 from .verify import replay_verify
-from .write_through import replay_write_through
+from .write_through import replay_write_through, state_bytes
 
 
 WRITE_THROUGH_BELOW = {
@@ -40,12 +40,6 @@ bfloat16 at L = 16: GDN 0.77-0.78 / 0.69x at 64, 0.74-0.75 / 0.91x at 128; KDA 0
 0.69 / 0.76x at 128; at L = 64 output-only 0.26-0.54x (at L = 32, from commit 34d5527: output-only 0.74x
 GDN at 128 requests against write-through's 0.74-0.75x, KDA slower than at L = 16). A history of L < 16 takes
 L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
-
-
-def state_bytes(state_dtype: torch.dtype) -> int:
-    """The state-bytes column of :data:`WRITE_THROUGH_BELOW` a pool of ``state_dtype`` is measured under: 4
-    (float32) or 2 (bfloat16, float16)."""
-    return 4 if state_dtype.itemsize >= 4 else 2
 
 
 def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:

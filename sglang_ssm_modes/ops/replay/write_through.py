@@ -248,9 +248,14 @@ or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). A h
 bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
+def state_bytes(state_dtype: torch.dtype) -> int:
+    """The state-bytes column of :data:`~.decode.WRITE_THROUGH_BELOW` and :data:`WRITE_THROUGH_VERIFY_BELOW` a
+    pool of ``state_dtype`` is measured under: 4 (float32) or 2 (bfloat16, float16)."""
+    return 4 if state_dtype.itemsize >= 4 else 2
+
+
 def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
     """Whether a served chain verify of ``requests`` requests writes through (:data:`WRITE_THROUGH_VERIFY_BELOW`;
     a state of 2-byte elements takes the bfloat16 row)."""
-    below = WRITE_THROUGH_VERIFY_BELOW[("kda" if is_kda else "gdn", max(history, 16),
-                                        4 if state_dtype.itemsize >= 4 else 2)]
+    below = WRITE_THROUGH_VERIFY_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
     return below is None or requests < below
