@@ -182,15 +182,16 @@ def commit(hybrid: HybridLinearAttnBackend, last_index: torch.Tensor):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("replay_path", ["served", "output-only"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,tree", [("gdn", False), ("gdn", True), ("kda", False), ("kda", True)])
-def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype, monkeypatch):
+def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype, replay_path, monkeypatch):
     """Rounds of verify (every layer) + commit through the hooks, last accepted node -1..D-1 (a chain's
     accepted length 0..D, or any node of a tree) and a padding row: compact's whole pool (state and conv
     window) is native's bit for bit after every round; replay's canonical state stays within float
     tolerance after folds — bit for bit, and its outputs too, where its chain verify is served written through
     (:func:`~sglang_ssm_modes.ops.replay.write_through.serves_write_through_verify` at 5 requests), and through
-    compact's path for a tree."""
+    compact's path for a tree; ``output-only`` forces replay's output-only chain verify instead."""
     draft, rounds, topk = 4, 12, 2 if tree else 1
     gen = torch.Generator().manual_seed(7)
     pools = {m: make_pool(m, draft, monkeypatch, family, topk) for m in ("native", "compact", "replay")}
@@ -208,8 +209,10 @@ def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype
     slots = torch.tensor([3, 1, -1, 5, 2], dtype=torch.int32, device=DEV)
     real = (slots >= 0).repeat_interleave(draft)  # SGLang's kernel leaves padding rows' outputs unwritten
     native, compact, replay = (pools[m].mamba_pool for m in ("native", "compact", "replay"))
-    exact = tree or serves_write_through_verify(slots.shape[0], family == "kda", replay.mode_config.replay_history,
-                                                state_dtype)
+    if replay_path == "output-only":
+        monkeypatch.setattr(backend_hooks, "serves_write_through_verify", lambda *args: False)
+    exact = tree or (replay_path == "served" and serves_write_through_verify(
+        slots.shape[0], family == "kda", replay.mode_config.replay_history, state_dtype))
     for r in range(rounds):
         inputs = [verify_inputs(slots.shape[0], draft, gen, family) for _ in layers]
         outs = {m: [verify(backends[m], layer, slots, draft, x, tree) for layer, x in zip(layers, inputs)]

@@ -112,7 +112,9 @@ GRID_Y = 65535
 
 def _launch_groups(layers: int, requests: int, heads: int) -> list[slice]:
     """Slices of layer-major rows (:func:`_layer_rows`) taking as many whole layers a launch as :data:`GRID_Y`
-    allows for ``requests`` x ``heads`` programs a layer: one launch for every layer unless the batch is large."""
+    allows for ``requests`` x ``heads`` programs a layer: one launch for every layer unless the batch is large,
+    and at least one layer a launch (a single layer past the limit, over 65535 / HV requests, was refused by
+    CUDA before this too)."""
     per = max(1, GRID_Y // max(1, requests * heads))
     return [slice(first * requests, min(layers, first + per) * requests) for first in range(0, layers, per)]
 

@@ -49,6 +49,8 @@ LOW_PRECISION_DECODE = ("where plain decode or a speculative verify writes throu
                         "native's does (after every token, every accepted prefix); output-only decode and verify "
                         "round it once per fold (bench/results/replay/drift_20261203: a third to a half of "
                         "native's drift over 10 000 tokens)")
+FASTEST_HISTORY = " (L = 16 is the fastest history)"
+"""The hint a float32 pool's warning ends with."""
 VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commits 08d2506 and 7f7be68, H100"
 """Where the chain-verify figures come from: both paths side by side with native in one run, D = 2 and 4."""
 WRITE_THROUGH_VERIFY = ("a write-through verify is SGLang's verify + scatter in one launch (the scatter deferred "
