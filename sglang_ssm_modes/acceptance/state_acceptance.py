@@ -16,8 +16,9 @@ with the base token counted; -1 = nothing), plus the radix cache's tracked snaps
 Each model (target, draft) has its own pool and so its own ``StateAcceptance``: their commit records
 never mix. Only device ops: no host synchronisation; compact and replay commit every linear layer in the same
 launches (the pool's stacked per-layer buffers seen as one set of slots), so a step's commit costs a handful of
-launches whatever the model's depth — it runs eagerly after the verify, outside CUDA graphs. The conv window is committed beside it, in every
-mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit hook).
+launches whatever the model's depth — it runs eagerly after the verify, outside CUDA graphs. The conv window is
+committed beside it, in every mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit
+hook).
 """
 
 from __future__ import annotations
@@ -77,9 +78,7 @@ class StateAcceptance:
                                    retrieve_parent_token=None if parents is None else parents[g], dst_states=states,
                                    dst_indices=tracked_rows[g])
                 if self.pool.replay_rings is not None:  # replay's tree path: the snapshot has no history
-                    ring_tracked = _layer_rows(track_indices, layers, self.pool.replay_rings.count.shape[1])
-                    clear_history(_all_layers(self.pool.replay_rings), ring_tracked,
-                                  (steps >= 0) & (ring_tracked >= 0))
+                    clear_history(self._all_rings(slots), tracked_rows, (steps >= 0) & (tracked_rows >= 0))
             last = last_index.repeat(layers)
             for g in groups:
                 compact_commit(states, rows[g], rec, rec_rows[g], last[g], is_kda=self.is_kda,
@@ -88,22 +87,29 @@ class StateAcceptance:
         if retrieve_parent_token is not None:
             raise ValueError("replay's chain path commits chains only; a replay pool built for tree "
                              "verify (EAGLE topk > 1) commits through compact's path")
-        ring = _all_layers(self.pool.replay_rings)  # records live with the pool slot: the ring's own rows
-        ring_rows = _layer_rows(state_indices, layers, self.pool.replay_rings.count.shape[1])
+        ring = self._all_rings(slots)
         accepted = (last_index + 1).to(torch.int32).repeat(layers)  # the cursor advance, base token included
         window = self.pool.mode_config.draft_tokens
         if track_indices is None:  # the verify's fused folds settle with the accepted lengths
-            advance(ring, ring_rows, accepted, window=window)
+            advance(ring, rows, accepted, window=window)
             return
-        advance(ring, ring_rows, 0, window=window)  # settle the folds: the cursor the snapshots read
+        advance(ring, rows, 0, window=window)  # settle the folds: the cursor the snapshots read
         steps = steps_to_track.to(ring.count.dtype).repeat(layers)
         tracked = (steps >= 0) & (tracked_rows >= 0)
-        lengths = ring.count[ring_rows.clamp_min(0).long()] + steps + 1
+        lengths = ring.count[rows.clamp_min(0).long()] + steps + 1
         for g in groups:
-            replay_fold(states, rows[g], ring, ring_rows[g], tracked[g], is_kda=self.is_kda, dst=states,
+            replay_fold(states, rows[g], ring, rows[g], tracked[g], is_kda=self.is_kda, dst=states,
                         dst_indices=tracked_rows[g], lengths=lengths[g])
-        clear_history(ring, _layer_rows(track_indices, layers, self.pool.replay_rings.count.shape[1]), tracked)
-        advance(ring, ring_rows, accepted)
+        clear_history(ring, tracked_rows, tracked)
+        advance(ring, rows, accepted)
+
+    def _all_rings(self, slots: int):
+        """The pool's replay rings, every layer as one set of slots (:func:`_all_layers`). Ring slots are pool
+        slots (records live with the pool slot), so a state row is also a ring row."""
+        rings = self.pool.replay_rings
+        if rings.count.shape[1] != slots:
+            raise RuntimeError(f"replay rings hold {rings.count.shape[1]} slots a layer, the state pool {slots}")
+        return _all_layers(rings)
 
 
 GRID_Y = 65535

@@ -15,7 +15,7 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 from ..ops.replay.decode import write_through_max_requests
-from ..ops.replay.write_through import WRITE_THROUGH_VERIFY_BELOW, state_bytes
+from ..ops.replay.write_through import state_bytes, write_through_verify_below
 
 OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
 WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"
@@ -101,7 +101,7 @@ def verify_sentence(family: str, history: int, state_dtype: torch.dtype) -> str:
     """How a replay pool of this family, history and state dtype serves a chain speculative verify, with the
     measured ratios of both paths (:data:`WRITE_THROUGH_VERIFY_SPEED`, :data:`OUTPUT_ONLY_VERIFY`)."""
     nbytes = state_bytes(state_dtype)
-    below = WRITE_THROUGH_VERIFY_BELOW[(family, max(history, 16), nbytes)]
+    below = write_through_verify_below(family == "kda", history, state_dtype)
     through = f"{WRITE_THROUGH_VERIFY}: {WRITE_THROUGH_VERIFY_SPEED[(family, nbytes)]}"
     if below is None:
         return (f"a speculative chain verify writes through at every batch (output-only verify was measured slower "

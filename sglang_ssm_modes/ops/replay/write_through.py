@@ -254,8 +254,13 @@ def state_bytes(state_dtype: torch.dtype) -> int:
     return 4 if state_dtype.itemsize >= 4 else 2
 
 
+def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
+    """The request count from which a served chain verify is output-only (:data:`WRITE_THROUGH_VERIFY_BELOW`; a
+    history of L < 16 takes L = 16's row, a state of 2-byte elements the bfloat16 one), None for never."""
+    return WRITE_THROUGH_VERIFY_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+
+
 def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
-    """Whether a served chain verify of ``requests`` requests writes through (:data:`WRITE_THROUGH_VERIFY_BELOW`;
-    a state of 2-byte elements takes the bfloat16 row)."""
-    below = WRITE_THROUGH_VERIFY_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+    """Whether a served chain verify of ``requests`` requests writes through (:func:`write_through_verify_below`)."""
+    below = write_through_verify_below(is_kda, history, state_dtype)
     return below is None or requests < below
