@@ -4,6 +4,7 @@
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
 #   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
 #         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS) | bench-replay ($BENCH_REPLAY_ARGS)
+#         | bench-commit (the eager commit after a verify, per mode, scripts/bench_commit.py; $BENCH_COMMIT_ARGS)
 #         | drift (replay's bf16 state over 10 000 decode tokens, scripts/replay_drift.py; $DRIFT_ARGS)
 #         | e2e (real SGLang servers, scripts/e2e_servers.py; configurations etc. in $E2E_ARGS)
 #
@@ -17,8 +18,8 @@ OUT=${OUT:-$PWD/out}
 PARTS=("${@:-tests}")
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests|tests:*|bench-compact|bench-replay|drift|e2e) ;;
-        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay, drift, e2e" >&2; exit 2 ;;
+        tests|tests:*|bench-compact|bench-replay|bench-commit|drift|e2e) ;;
+        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay, bench-commit, drift, e2e" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -63,6 +64,7 @@ for part in "${PARTS[@]}"; do
         tests:*) run_tests "${part#tests:}" || status=1 ;;
         bench-compact) python3 scripts/bench_compact.py --out "$OUT" ${BENCH_COMPACT_ARGS:-} || status=1 ;;
         bench-replay) python3 scripts/bench_replay.py --out "$OUT" ${BENCH_REPLAY_ARGS:-} || status=1 ;;
+        bench-commit) python3 scripts/bench_commit.py --out "$OUT" ${BENCH_COMMIT_ARGS:-} || status=1 ;;
         drift) python3 scripts/replay_drift.py --out "$OUT" ${DRIFT_ARGS:-} || status=1 ;;
         e2e) python3 scripts/e2e_servers.py --out "$OUT" ${E2E_ARGS:-} || status=1 ;;
     esac
