@@ -1,12 +1,15 @@
 """``StateAcceptance`` over random speculative rounds, in every mode, against the native pool: the
 whole state tensor (committed slots, tracked snapshots, padding and untouched slots) compared —
-compact bit for bit, replay after materialising within float32 rounding."""
+compact bit for bit, replay after materialising within float32 rounding. On the GPU where there is one
+(the kernels for real, SGLang's CUDA scatter for native), else on the CPU interpreter."""
+
+import dataclasses
 
 import pytest
 import torch
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
 
-from kernel_cases import flat_inputs, to_device
+from kernel_cases import DEVICE, flat_inputs, to_device
 from sglang_ssm_modes.acceptance import StateAcceptance, state_acceptance
 from sglang_ssm_modes.ops.compact import compact_verify
 from sglang_ssm_modes.ops.replay import after_fold, fold_needed, replay_fold, replay_verify
@@ -21,12 +24,12 @@ N, D, SIZE = 5, 3, 9
 def _verify(pool, layer, params, inp, state_idx):
     temporal = pool.mamba_cache.temporal[layer]
     args = (params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"])
-    batch = torch.arange(N, dtype=torch.int32)
+    batch = torch.arange(N, dtype=torch.int32, device=DEVICE)
     if pool.mode_config.mode == "native":
         fused_sigmoid_gating_delta_rule_update(
             A_log=params.A_log, dt_bias=params.dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
             initial_state_source=temporal, initial_state_indices=state_idx, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=torch.arange(0, N * D + 1, D, dtype=torch.int32), disable_state_update=True,
+            cu_seqlens=torch.arange(0, N * D + 1, D, dtype=torch.int32, device=DEVICE), disable_state_update=True,
             intermediate_states_buffer=pool.mamba_cache.intermediate_ssm[layer], intermediate_state_indices=batch,
             cache_steps=D, **inp)
     elif pool.mode_config.mode == "compact":
@@ -43,54 +46,52 @@ def _materialised(pool):
     """Every slot's committed state (replay: checkpoint folded with its history, in a copy)."""
     out = pool.mamba_cache.temporal.clone()
     if pool.mode_config.mode == "replay":
-        slots = torch.arange(SIZE + 1, dtype=torch.int32)
-        for layer in range(LAYERS):
+        slots = torch.arange(SIZE + 1, dtype=torch.int32, device=DEVICE)
+        for layer in range(LAYERS):  # a layer at a time: the stacked launch is what the commit under test uses
             replay_fold(pool.mamba_cache.temporal[layer], slots, pool.layer_ring(layer), slots,
-                        torch.ones(SIZE + 1, dtype=torch.bool), is_kda=False, dst=out[layer], dst_indices=slots)
+                        torch.ones_like(slots, dtype=torch.bool), is_kda=False, dst=out[layer], dst_indices=slots)
     return out
 
 
 @pytest.mark.usefixtures("cuda_scratch_on_cpu")
-@pytest.mark.parametrize("layers_per_launch", [None, 1])
-def test_acceptance_rounds_agree_with_native_in_every_mode(layers_per_launch, monkeypatch):
+def test_acceptance_rounds_agree_with_native_in_every_mode(monkeypatch):
     """Rounds of verify + commit (tracked snapshots included) in every mode against native. Compact and replay
     commit every layer in the same launches: per commit, compact 2 commit launches (snapshot, commit), replay 2
-    cursor launches and 1 fold whatever the layer count; where CUDA's grid limit splits the layers
-    (``layers_per_launch`` 1: a launch a layer) the result is the same."""
-    if layers_per_launch is not None:
-        monkeypatch.setattr(state_acceptance, "GRID_Y", layers_per_launch * N * HV)
-    calls = {"compact_commit": 0, "replay_fold": 0, "advance": 0}
+    cursor launches, 1 fold and 1 history clear, whatever the layer count."""
+    calls = {"compact_commit": 0, "replay_fold": 0, "advance": 0, "clear_history": 0}
     for name in calls:
         real = getattr(state_acceptance, name)
         monkeypatch.setattr(state_acceptance, name,
                             lambda *a, _real=real, _name=name, **kw: calls.__setitem__(_name, calls[_name] + 1)
                             or _real(*a, **kw))
-    groups = 1 if layers_per_launch is None else -(-LAYERS // layers_per_launch)
-    pools = {m: make_pool(m, draft_tokens=D, size=SIZE, history=8) for m in ("native", "compact", "replay")}
+    pools = {m: make_pool(m, draft_tokens=D, size=SIZE, history=8, device=DEVICE)
+             for m in ("native", "compact", "replay")}
     gen = torch.Generator().manual_seed(61)
-    init = torch.randn(LAYERS, SIZE + 1, HV, VD, KD, generator=gen) * 0.3
+    init = (torch.randn(LAYERS, SIZE + 1, HV, VD, KD, generator=gen) * 0.3).to(DEVICE)
     for pool in pools.values():
         pool.mamba_cache.temporal.copy_(init)
     params = [random_gate_params("gdn", HV, KD, gen) for _ in range(LAYERS)]
-    state_idx = torch.tensor([4, 1, -1, 0, 3], dtype=torch.int32)  # slot -1: a padding row
+    params = [dataclasses.replace(p, A_log=p.A_log.to(DEVICE), dt_bias=p.dt_bias.to(DEVICE)) for p in params]
+    state_idx = torch.tensor([4, 1, -1, 0, 3], dtype=torch.int32, device=DEVICE)  # slot -1: a padding row
     for rnd in range(4):
         xs = [random_inputs("gdn", N, D, HK, HV, KD, VD, gen, torch.bfloat16) for _ in range(LAYERS)]
         for pool in pools.values():
             for layer in range(LAYERS):
-                _verify(pool, layer, params[layer], to_device(flat_inputs(xs[layer], "gdn", N, D), "cpu"), state_idx)
+                _verify(pool, layer, params[layer], to_device(flat_inputs(xs[layer], "gdn", N, D), DEVICE), state_idx)
         last = torch.randint(-1, D, (N,), generator=gen)
         last[2] = D - 1  # the padding row claims a full acceptance: nothing may change
         last[0] = D - 1
         track = torch.tensor([6 + rnd % 2, -1, -1, 8, 5], dtype=torch.int32)  # snapshot slots 5..8 (none for padding)
         steps = torch.minimum(torch.randint(0, D, (N,), generator=gen), last.clamp_min(0))
         steps[1] = -1
+        last, track, steps = last.to(DEVICE), track.to(DEVICE), steps.to(DEVICE)
         for pool in pools.values():
             before = dict(calls)
             StateAcceptance(pool).commit(state_idx, last, track_indices=track, steps_to_track=steps)
             launches = {name: calls[name] - before[name] for name in calls}
             mode = pool.mode_config.mode
-            assert launches == {"compact_commit": 2 * groups * (mode == "compact"),
-                                "replay_fold": groups * (mode == "replay"), "advance": 2 * (mode == "replay")}
+            assert launches == {"compact_commit": 2 * (mode == "compact"), "replay_fold": mode == "replay",
+                                "advance": 2 * (mode == "replay"), "clear_history": mode == "replay"}
         native = pools["native"].mamba_cache.temporal
         diff = (pools["compact"].mamba_cache.temporal != native).flatten(2).any(-1)
         assert not diff.any(), f"round {rnd}: slots differing per layer {diff.nonzero().tolist()}"

@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.memory_pool import (
 
 from ..config import SSMModeConfig
 from ..ops.compact import CompactRecordBuffers
-from ..ops.replay import ReplayRing, fold_into_checkpoints, replay_fold
+from ..ops.replay import ReplayRing, clear_history, fold_into_checkpoints, replay_fold
 
 GB = 1 << 30
 
@@ -219,11 +219,10 @@ class ModeMambaPool(MambaPool):
         src, dst = _as_index(src_indices, self.device), _as_index(dst_indices, self.device)
         self.materialised += src.shape[0]
         everything = torch.ones_like(src, dtype=torch.bool)
-        for layer in range(self.num_mamba_layers):
-            temporal = self.mamba_cache.temporal[layer]
-            replay_fold(temporal, src, self.layer_ring(layer), src, everything, is_kda=self.heads.family == "kda",
-                        dst=temporal, dst_indices=dst)
-        self.clear_history(dst_indices)
+        temporal = self.mamba_cache.temporal  # every layer in one launch
+        replay_fold(temporal, src, self.replay_rings, src, everything, is_kda=self.heads.family == "kda",
+                    dst=temporal, dst_indices=dst)
+        self.clear_history(dst)
 
     def materialise_in_place(self, indices: torch.Tensor) -> None:
         """Fold the histories of ``indices`` into their checkpoints (replay; no-op otherwise), so the
@@ -233,9 +232,8 @@ class ModeMambaPool(MambaPool):
         idx = _as_index(indices, self.device)
         self.materialised += idx.shape[0]
         everything = torch.ones_like(idx, dtype=torch.bool)
-        for layer in range(self.num_mamba_layers):
-            fold_into_checkpoints(self.mamba_cache.temporal[layer], idx, self.layer_ring(layer), idx, everything,
-                                  is_kda=self.heads.family == "kda")
+        fold_into_checkpoints(self.mamba_cache.temporal, idx, self.replay_rings, idx, everything,
+                              is_kda=self.heads.family == "kda")
 
     def canonical_states(self, indices: torch.Tensor) -> torch.Tensor:
         """``[layers, len(indices), HV, V, K]``: the committed states of ``indices`` in the state dtype
@@ -249,9 +247,8 @@ class ModeMambaPool(MambaPool):
         self.materialised += idx.shape[0]
         everything = torch.ones_like(idx, dtype=torch.bool)
         rows = torch.arange(idx.shape[0], dtype=torch.int32, device=idx.device)
-        for layer in range(self.num_mamba_layers):
-            replay_fold(temporal[layer], idx, self.layer_ring(layer), idx, everything,
-                        is_kda=self.heads.family == "kda", dst=out[layer], dst_indices=rows)
+        replay_fold(temporal, idx, self.replay_rings, idx, everything, is_kda=self.heads.family == "kda", dst=out,
+                    dst_indices=rows)
         return out
 
     def get_cpu_copy(self, indices):
@@ -266,9 +263,7 @@ class ModeMambaPool(MambaPool):
         """Empty the histories of pool slots ``indices`` (replay; no-op otherwise): a slot that has just
         received a canonical state from elsewhere."""
         if self.replay_rings is not None:
-            idx = _as_index(indices, self.device).long()
-            for word in self.replay_rings.cleared_words():  # [layers, slots]: one indexed write each
-                word[:, idx] = 0
+            clear_history(self.replay_rings, _as_index(indices, self.device))  # every layer, one launch
 
 
 def _as_index(indices, device) -> torch.Tensor:

@@ -15,22 +15,22 @@ from ..delta_rule_step import apply_record, apply_records, tree_ancestors
 from .records import CompactRecordBuffers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_slots", "dst_slots", "R"])
 def compact_commit_kernel(
     h0_source, h0_indices, dst, dst_indices, rec_k, rec_v, rec_g, rec_beta, rec_indices, last_index,
-    parents, stride_parents_seq, stride_parents_tok,
+    parents, stride_parents_seq, stride_parents_tok, src_slots, dst_slots, R,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, NP2_D: tl.constexpr,
     IS_KDA: tl.constexpr, IS_TREE: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV)``. Reads ``h0_source`` ``[slots, HV, V, K]`` at ``h0_indices`` ``[N]``
-    and writes ``dst`` (the same pool for a commit, another slot for a tracked snapshot) at
-    ``dst_indices`` ``[N]`` for requests whose ``last_index`` ``[N]`` (window index of the last accepted
-    node; accepted length - 1 for a chain) is >= 0 and whose slots and record slot ``rec_indices``
-    ``[N]`` are >= 0; every other row (padding, nothing accepted) is left untouched. Records as
-    :class:`CompactRecordBuffers`; ``parents`` ``[N, D]`` for a tree.
+    """Grid ``(cdiv(V, BV), N * HV, layers)``. In every layer l, reads ``h0_source`` ``[layers * src_slots, HV,
+    V, K]`` at ``l * src_slots + h0_indices[n]`` and writes ``dst`` (the same pool for a commit, another slot
+    for a tracked snapshot) at ``l * dst_slots + dst_indices[n]``, from record slot ``l * R + rec_indices[n]``,
+    for requests whose ``last_index`` ``[N]`` (window index of the last accepted node; accepted length - 1
+    for a chain) is >= 0 and whose slots and record slot are >= 0; every other row (padding, nothing
+    accepted) is left untouched. Records as :class:`CompactRecordBuffers`; ``parents`` ``[N, D]`` for a tree.
     """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     idx = tl.load(h0_indices + i_n).to(tl.int64)
@@ -38,6 +38,7 @@ def compact_commit_kernel(
     r = tl.load(rec_indices + i_n).to(tl.int64)
     last = tl.load(last_index + i_n).to(tl.int32)
     if (idx >= 0) & (di >= 0) & (r >= 0) & (last >= 0):
+        idx, di, r = idx + i_l * src_slots, di + i_l * dst_slots, r + i_l * R
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         mask_k = o_k < K
@@ -72,18 +73,26 @@ def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, record
     ``last_index`` ``[N]`` is SGLang's ``last_correct_step_indices`` (window index of the last accepted
     node; -1 keeps the state). ``state_indices`` / ``record_indices`` ``[N]``: pool slot / record slot
     per request (< 0: padding). ``retrieve_parent_token`` ``[N, D]`` selects tree semantics. The
-    request count is a runtime value (the grid), never a compile-time constant.
+    request count is a runtime value (the grid), never a compile-time constant. Every layer in one launch:
+    the pool's stacked ``[layers, slots, HV, V, K]`` states (``dst_states`` too) and records
+    (:attr:`CompactRecordBuffers.layers_and_slots`), the same slots in every layer.
     """
     n = state_indices.shape[0]
-    hv, vdim, kdim = ssm_states.shape[1:]
-    hk = records.k.shape[2]
+    dst = ssm_states if dst_states is None else dst_states
+    layers, rec_slots = records.layers_and_slots
+    if ssm_states.dim() != 4 + (layers > 1) or dst.dim() != ssm_states.dim():
+        raise ValueError(f"states {tuple(ssm_states.shape)} / {tuple(dst.shape)} and records of {layers} layers: "
+                         "stacked states go with stacked records")
+    hv, vdim, kdim = ssm_states.shape[-3:]
+    hk = records.k.shape[-2]
     parents = retrieve_parent_token
     tree = parents is not None
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
-    grid = (triton.cdiv(vdim, BV), n * hv)
+    grid = (triton.cdiv(vdim, BV), n * hv, layers)
     compact_commit_kernel[grid](
-        ssm_states, state_indices, ssm_states if dst_states is None else dst_states,
-        state_indices if dst_indices is None else dst_indices, records.k, records.v, records.g, records.beta, record_indices, last_index,
-        parents, parents.stride(0) if tree else 0, parents.stride(1) if tree else 0,
+        ssm_states, state_indices, dst, state_indices if dst_indices is None else dst_indices, records.k, records.v,
+        records.g, records.beta, record_indices, last_index,
+        parents, parents.stride(0) if tree else 0, parents.stride(1) if tree else 0, ssm_states.shape[-4],
+        dst.shape[-4], rec_slots,
         H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=records.draft_tokens,
         NP2_D=triton.next_power_of_2(records.draft_tokens), IS_KDA=is_kda, IS_TREE=tree, num_warps=1, num_stages=3)

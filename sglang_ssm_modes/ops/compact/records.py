@@ -39,4 +39,10 @@ class CompactRecordBuffers:
 
     @property
     def draft_tokens(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[-3]
+
+    @property
+    def layers_and_slots(self) -> tuple[int, int]:
+        """``(layers, R)``: one layer's buffers (``k`` ``[R, D, HK, K]``) or a pool's stacked ones
+        (``[layers, R, D, HK, K]``), which the commit serves for every layer in one launch."""
+        return (1, self.k.shape[0]) if self.k.dim() == 4 else tuple(self.k.shape[:2])

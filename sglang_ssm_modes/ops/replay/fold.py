@@ -15,29 +15,31 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_records
-from .ring import ReplayRing, after_fold, flag_nonfinite
+from .ring import ReplayRing, after_fold, flag_nonfinite, ring_layers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_slots", "dst_slots", "R"])
 def replay_fold_kernel(
     src, src_indices, dst, dst_indices, mask,
-    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, lengths,
+    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, past_cursor, src_slots, dst_slots, R,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, IS_KDA: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    L: tl.constexpr, IS_KDA: tl.constexpr, PAST_CURSOR: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV)``. For each request n with ``mask[n]`` and non-negative
-    ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``: ``dst[dst_indices[n]]`` (``[slots, HV, V,
-    K]``, any float dtype) = ``src[src_indices[n]]`` advanced over the ring slot's first ``count``
-    records (or ``lengths[n]``: e.g. into the window just verified, for a tracked snapshot). Every
+    """Grid ``(cdiv(V, BV), N * HV, layers)``. For each request n with ``mask[n]`` and non-negative
+    ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``, in every layer l: ``dst[l * dst_slots +
+    dst_indices[n]]`` (``[layers * dst_slots, HV, V, K]``, any float dtype) = ``src[l * src_slots + src_indices[n]]``
+    advanced over the first ``count`` records of ring slot ``l * R + rec_indices[n]`` (plus ``past_cursor[n]``
+    records after them where ``PAST_CURSOR``: into the window just verified, for a tracked snapshot). Every
     program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``. A non-finite result is written and
     flagged in the ring slot's ``r_faults``."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     si = tl.load(src_indices + i_n).to(tl.int64)
     di = tl.load(dst_indices + i_n).to(tl.int64)
     r = tl.load(rec_indices + i_n).to(tl.int64)
     if (tl.load(mask + i_n) != 0) & (si >= 0) & (di >= 0) & (r >= 0):
+        si, di, r = si + i_l * src_slots, di + i_l * dst_slots, r + i_l * R
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         mask_k = o_k < K
@@ -47,10 +49,9 @@ def replay_fold_kernel(
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(src + si * HV * K * V + tile, mask=mask_h, other=0).to(tl.float32)
         rec0 = r * 2 * L + tl.load(r_phase + r).to(tl.int64) * L
-        if HAS_LENGTHS:
-            n_rec = tl.load(lengths + i_n)
-        else:
-            n_rec = tl.load(r_count + r)
+        n_rec = tl.load(r_count + r)
+        if PAST_CURSOR:
+            n_rec += tl.load(past_cursor + i_n).to(tl.int32)
         b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
                             H, HV, K, V, IS_KDA)
         p_dst = dst + di * HV * K * V + tile
@@ -62,27 +63,36 @@ def replay_fold_kernel(
 def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
                 record_indices: torch.Tensor, mask: torch.Tensor, *, is_kda: bool,
                 dst: torch.Tensor | None = None, dst_indices: torch.Tensor | None = None,
-                lengths: torch.Tensor | None = None) -> None:
+                past_cursor: torch.Tensor | None = None) -> None:
     """Fold (``dst`` None: in place into ``checkpoints``) or materialise (into ``dst`` at
     ``dst_indices``) the histories of the requests selected by ``mask`` ``[N]`` (bool). The cursor is
     not changed: an in-place fold is :func:`fold_into_checkpoints`; a materialise leaves
-    checkpoint and history as they were. ``lengths`` ``[N]`` replays that many records instead of the
-    cursor's count (records past the cursor: the window just verified)."""
+    checkpoint and history as they were. ``past_cursor`` ``[N]`` (any integer dtype) replays that many
+    records after the cursor's count as well (the window just verified).
+
+    One layer (``checkpoints`` / ``dst`` ``[slots, HV, V, K]``, ``ring`` one layer's), or every layer in one
+    launch: the pool's stacked ``[layers, slots, HV, V, K]`` states (``dst`` stacked too) and rings
+    (:func:`~.ring.ring_layers`), the same slots in every layer."""
     n = state_indices.shape[0]
-    hv, vdim, kdim = checkpoints.shape[1:]
+    dst = checkpoints if dst is None else dst
+    layers, rec_slots = ring_layers(ring)
+    if checkpoints.dim() != 4 + (layers > 1) or dst.dim() != checkpoints.dim():
+        raise ValueError(f"states {tuple(checkpoints.shape)} / {tuple(dst.shape)} and a ring of {layers} layers: "
+                         "stacked states go with stacked rings")
+    hv, vdim, kdim = checkpoints.shape[-3:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
-    replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv)](
-        checkpoints, state_indices, checkpoints if dst is None else dst,
-        state_indices if dst_indices is None else dst_indices, mask,
-        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, lengths,
-        H=ring.k_raw.shape[2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
-        HAS_LENGTHS=lengths is not None,
-        num_warps=1, num_stages=3)
+    replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv, layers)](
+        checkpoints, state_indices, dst, state_indices if dst_indices is None else dst_indices, mask,
+        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices,
+        state_indices if past_cursor is None else past_cursor, checkpoints.shape[-4], dst.shape[-4], rec_slots,
+        H=ring.k_raw.shape[-2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
+        PAST_CURSOR=past_cursor is not None, num_warps=1, num_stages=3)
 
 
 def fold_into_checkpoints(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
                           record_indices: torch.Tensor, selected: torch.Tensor, *, is_kda: bool) -> None:
     """Fold the histories of the ``selected`` ``[N]`` requests into their checkpoints in place and
-    empty them (:func:`replay_fold` then :func:`~.ring.after_fold`); device ops only."""
+    empty them (:func:`replay_fold` then :func:`~.ring.after_fold`; one layer or the pool's stacked buffers, every
+    layer in the same launches); device ops only."""
     replay_fold(checkpoints, state_indices, ring, record_indices, selected, is_kda=is_kda)
     after_fold(ring, record_indices, selected)

@@ -86,7 +86,7 @@ class ReplayRing:
     @property
     def history(self) -> int:
         """L: records a half holds."""
-        return self.u.shape[1] // 2
+        return self.u.shape[-3] // 2
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor by name (for full-state comparisons and memory accounting)."""
@@ -106,24 +106,24 @@ def window_overflows(count, window, L: tl.constexpr):
     return count + window > L
 
 
-@triton.jit(do_not_specialize=["N", "accepted_all", "window"])
-def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_all, N, window, L: tl.constexpr,
-                   PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK),)``: per row with a non-negative record slot, settle a fused fold of a
-    ``window``-token verify (``count + window > L``: ``count = 0``, ``phase ^= 1``, ``folds += 1``), then
-    ``count += max(n, 0)`` with ``n = accepted[row]`` (``PER_ROW``) or ``accepted_all``; a count past L
-    sets :data:`FAULT_OVERFLOW`. ``count``, ``phase``, ``folds``, ``faults`` ``[R]`` int32; ``rec_indices``,
-    ``accepted`` ``[N]``."""
+@triton.jit(do_not_specialize=["N", "R", "accepted_all", "accepted_offset", "window"])
+def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_all, accepted_offset, N, R, window,
+                   L: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK), layers)``: per row with a non-negative record slot ``r``, in ring slot
+    ``layer * R + r``: settle a fused fold of a ``window``-token verify (``count + window > L``: ``count = 0``,
+    ``phase ^= 1``, ``folds += 1``), then ``count += max(n, 0)`` with ``n = accepted[row] + accepted_offset``
+    (``PER_ROW``, any integer dtype) or ``accepted_all``; a count past L sets :data:`FAULT_OVERFLOW`.
+    ``count``, ``phase``, ``folds``, ``faults`` ``[layers * R]`` int32; ``rec_indices``, ``accepted`` ``[N]``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     r = tl.load(rec_indices + offs, mask=m, other=-1).to(tl.int64)
     ok = m & (r >= 0)
-    slot = tl.maximum(r, 0)
+    slot = tl.maximum(r, 0) + tl.program_id(1).to(tl.int64) * R
     c = tl.load(count + slot, mask=ok, other=0)
     ph = tl.load(phase + slot, mask=ok, other=0)
     folded = (window > 0) & window_overflows(c, window, L)
     if PER_ROW:
-        n = tl.load(accepted + offs, mask=m, other=0)
+        n = tl.load(accepted + offs, mask=m, other=0).to(tl.int32) + accepted_offset
     else:
         n = tl.zeros([BLOCK], dtype=tl.int32) + accepted_all
     new = tl.where(folded, 0, c) + tl.maximum(n, 0)
@@ -131,6 +131,26 @@ def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_
     tl.store(phase + slot, tl.where(folded, 1 - ph, ph), mask=ok)
     tl.store(folds + slot, tl.load(folds + slot, mask=ok, other=0) + folded.to(tl.int32), mask=ok)
     tl.atomic_or(faults + slot, tl.full([BLOCK], _OVERFLOW, tl.int32), mask=ok & (new > L))
+
+
+@triton.jit(do_not_specialize=["N", "R"])
+def clear_kernel(count, phase, faults, tickets, rec_indices, selected, N, R, SELECTED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK), layers)``: zero the :meth:`ReplayRing.cleared_words` of ring slot
+    ``layer * R + rec_indices[row]`` for each row with a non-negative slot (and ``selected[row]``, bool ``[N]``,
+    where ``SELECTED``); a slot listed twice gets the same zeros. Words ``[layers * R]`` int32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    r = tl.load(rec_indices + offs, mask=m, other=-1).to(tl.int64)
+    ok = m & (r >= 0)
+    if SELECTED:
+        ok = ok & (tl.load(selected + offs, mask=m, other=0) != 0)
+    slot = tl.maximum(r, 0) + tl.program_id(1).to(tl.int64) * R
+    zero = tl.zeros([BLOCK], dtype=tl.int32)
+    tl.store(count + slot, zero, mask=ok)
+    tl.store(phase + slot, zero, mask=ok)
+    tl.store(faults + slot, zero, mask=ok)
+    tl.store(tickets + slot, zero, mask=ok)
 
 
 @triton.jit
@@ -144,23 +164,33 @@ def flag_nonfinite(faults, r, b_h):
         tl.atomic_or(faults + r, _NONFINITE)
 
 
+def ring_layers(ring: ReplayRing) -> tuple[int, int]:
+    """``(layers, R)`` of a ring: one layer's (words ``[R]``) or the pool's stacked rings (``[layers, R]``),
+    which the cursor kernels update for every layer in one launch."""
+    return (1, ring.count.shape[0]) if ring.count.dim() == 1 else tuple(ring.count.shape)
+
+
 def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tensor | int,
-            window: int = 0) -> None:
-    """Acceptance: ``count += n`` for each request's record slot (``accepted``: ``[N]`` int32 accepted
-    lengths with the base token, or one int for every row; 0 or a negative slot: nothing added).
+            window: int = 0, *, accepted_offset: int = 0) -> None:
+    """Acceptance: ``count += n`` for each request's record slot (``accepted``: ``[N]`` accepted lengths with
+    the base token, any integer dtype, each plus ``accepted_offset`` — 1 turns SGLang's last accepted
+    index into a length — or one int for every row; 0, a negative n or a negative slot: nothing added).
     ``window`` = the T of a :func:`~.verify.replay_verify` whose fused fold just ran: the requests it
-    folded (``count + T > L``) first get an empty history in the other half. One launch, no host sync,
+    folded (``count + T > L``) first get an empty history in the other half. ``ring``: one layer's, or the
+    pool's stacked rings (:func:`ring_layers`: the same slots in every layer). One launch, no host sync,
     no allocation; records past the cursor are simply overwritten by the next window. Record slots
     must be distinct."""
     n = record_indices.shape[0]
     if not n:
         return
     per_row = isinstance(accepted, torch.Tensor)
-    if per_row and accepted.dtype != torch.int32:
-        raise TypeError(f"accepted lengths must be int32, not {accepted.dtype}")
-    advance_kernel[(triton.cdiv(n, 256),)](
+    if per_row and accepted.dtype.is_floating_point:
+        raise TypeError(f"accepted lengths must be integers, not {accepted.dtype}")
+    layers, slots = ring_layers(ring)
+    advance_kernel[(triton.cdiv(n, 256), layers)](
         ring.count, ring.phase, ring.folds, ring.faults, record_indices, accepted if per_row else record_indices,
-        0 if per_row else int(accepted), n, window, L=ring.history, PER_ROW=per_row, BLOCK=256)
+        0 if per_row else int(accepted), accepted_offset, n, slots, window, L=ring.history, PER_ROW=per_row,
+        BLOCK=256)
 
 
 def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> torch.Tensor:
@@ -175,21 +205,27 @@ def _slot_mask(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.T
     """``[R]`` bool over ring slots: selected rows with a non-negative slot. Built with ``index_add_``
     of 0/1 so padding rows (which share index 0) cannot overwrite a real row's entry."""
     rows = record_indices.clamp_min(0).long()
-    return torch.zeros_like(ring.count).index_add_(0, rows, (selected & (record_indices >= 0)).to(ring.count.dtype)) > 0
+    hits = torch.zeros(ring.count.shape[-1], dtype=ring.count.dtype, device=ring.count.device)
+    return hits.index_add_(0, rows, (selected & (record_indices >= 0)).to(ring.count.dtype)) > 0
 
 
 def after_fold(ring: ReplayRing, record_indices: torch.Tensor, folded: torch.Tensor) -> None:
     """Cursor update once a fold of ``folded`` ``[N]`` requests has completed: empty history, other half,
-    one more fold counted."""
+    one more fold counted (``ring``: one layer's or the pool's stacked rings, slot axis last)."""
     hit = _slot_mask(ring, record_indices, folded)
     ring.count.copy_(torch.where(hit, torch.zeros_like(ring.count), ring.count))
     ring.phase.copy_(torch.where(hit, 1 - ring.phase, ring.phase))
     ring.folds.add_(hit.to(ring.folds.dtype))
 
 
-def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor) -> None:
-    """Empty the histories of the selected slots (a slot that just received a materialised state): its
-    faults go with them."""
-    hit = _slot_mask(ring, record_indices, selected)
-    for word in ring.cleared_words():
-        word.copy_(torch.where(hit, torch.zeros_like(word), word))
+def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor | None = None) -> None:
+    """Empty the histories of the slots ``record_indices`` ``[N]`` (where ``selected``, bool ``[N]``; negative
+    slots skipped) — slots that just received a materialised state: their faults go with them. ``ring``: one
+    layer's or the pool's stacked rings (:func:`ring_layers`). One launch."""
+    n = record_indices.shape[0]
+    if not n:
+        return
+    layers, slots = ring_layers(ring)
+    clear_kernel[(triton.cdiv(n, 256), layers)](
+        ring.count, ring.phase, ring.faults, ring.tickets, record_indices,
+        record_indices if selected is None else selected, n, slots, SELECTED=selected is not None, BLOCK=256)
