@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -128,7 +129,7 @@ def bench_case(mode, family, layers, batch, draft, history, state_dtype, track, 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    kernels = sorted({ev.key for ev in prof.key_averages() if ev.device_type.name == "CUDA"})
+    kernels = sorted({_kernel_name(ev.key) for ev in prof.key_averages() if ev.device_type.name == "CUDA"})
     launches = sum(ev.count for ev in prof.key_averages() if ev.device_type.name == "CUDA")
     path = {"native": "sglang scatters", "compact": "conv scatters + compact_commit (all layers)",
             "replay": "conv scatters + cursor advance (all layers)"}[mode]
@@ -138,6 +139,11 @@ def bench_case(mode, family, layers, batch, draft, history, state_dtype, track, 
     torch.cuda.empty_cache()
     return dict(host_us=round(statistics.median(host), 1), span_us=round(statistics.median(span), 1),
                 launches=launches, kernels=kernels, path=path)
+
+
+def _kernel_name(key: str) -> str:
+    """A profiler kernel name without its template and argument lists (``at::native::where_kernel_impl``)."""
+    return re.split(r"[<(]", key.removeprefix("void "))[0] or key
 
 
 def write_report(out: str, meta: dict, rows: list[dict]) -> None:

@@ -126,15 +126,16 @@ def test_replay_tree_commit_leaves_snapshots_without_history():
     committed slot's own (empty) history stays empty."""
     cfg = SSMModeConfig(mode="replay", draft_tokens=D, replay_history=8)
     pool = ModeMambaPool(mode_config=cfg, size=SIZE, spec_state_size=SIZE, cache_params=gdn_params(),
-                         mamba_layer_ids=list(range(LAYERS)), device="cpu", speculative_num_draft_tokens=D,
+                         mamba_layer_ids=list(range(LAYERS)), device=DEVICE, speculative_num_draft_tokens=D,
                          speculative_eagle_topk=2)
     assert pool.verify_path == "compact" and pool.compact_records is not None
     pool.replay_rings.count[:, 6] = 3  # a stale history in the slot about to receive a snapshot
     pool.replay_rings.count[:, 7] = 2  # another slot, untouched
-    state_idx = torch.tensor([1, 2], dtype=torch.int32)
-    parents = torch.tensor([[0, 0, 1], [0, 0, 0]], dtype=torch.int32)
-    StateAcceptance(pool).commit(state_idx, torch.tensor([2, 1]), track_indices=torch.tensor([6, -1]),
-                                 steps_to_track=torch.tensor([1, 0]), retrieve_parent_token=parents)
+    state_idx = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    parents = torch.tensor([[0, 0, 1], [0, 0, 0]], dtype=torch.int32, device=DEVICE)
+    StateAcceptance(pool).commit(state_idx, torch.tensor([2, 1], device=DEVICE),
+                                 track_indices=torch.tensor([6, -1], device=DEVICE),
+                                 steps_to_track=torch.tensor([1, 0], device=DEVICE), retrieve_parent_token=parents)
     assert pool.replay_rings.count[:, 6].tolist() == [0] * LAYERS
     assert pool.replay_rings.count[:, 7].tolist() == [2] * LAYERS
     assert (pool.replay_rings.count[:, [1, 2]] == 0).all()
