@@ -1,6 +1,7 @@
 """The commit-side kernels over every layer in one launch (the pool's stacked ``[layers, slots, ...]`` buffers,
 layers on the grid's last axis) against the same kernels a layer at a time: ``compact_commit`` (chain, tree,
-a snapshot into other slots), ``replay_fold`` (in place, into a temporary, past the cursor), ``advance`` (SGLang's
+a snapshot into other slots), ``replay_fold`` (in place, into a temporary, a snapshot from the window just
+verified, its unsettled fused fold read as the later settle leaves it), ``advance`` (SGLang's
 int64 last index + 1, the fused fold's settle) and ``clear_history`` (selected rows, padding, a slot listed
 twice). Whole buffers compared bit for bit, padding rows and untouched slots included."""
 
@@ -77,33 +78,43 @@ def test_compact_commit_of_every_layer_in_one_launch(tree, snapshot):
     assert not torch.equal(one, states)
 
 
-@pytest.mark.parametrize("target", ["in place", "temporary", "past the cursor"])
+@pytest.mark.parametrize("target", ["in place", "temporary", "window steps"])
 def test_replay_fold_of_every_layer_in_one_launch(target):
     gen = torch.Generator().manual_seed(11 + len(target))
     states, ring = _states(gen, torch.bfloat16), _ring(gen)
+    ring.count[:, 4] = L - 1  # a verify of D tokens folded this one in its launch (count + D > L), not settled
     idx = _t(STATE_IDX)
     mask = _t([1, 1, 1, 0, 1], torch.bool)
-    kwargs, out = {}, None
+    kwargs, out = dict(mask=mask), None
     if target == "temporary":
         out = torch.zeros(LAYERS, 5, HV, V, K, dtype=torch.bfloat16, device=DEVICE)
-        kwargs = dict(dst_indices=torch.arange(5, dtype=torch.int32, device=DEVICE))
-    elif target == "past the cursor":
-        kwargs = dict(dst_indices=_t(DST_IDX), past_cursor=_t([1, 0, 3, 2, 2], torch.int64))
+        kwargs.update(dst_indices=torch.arange(5, dtype=torch.int32, device=DEVICE))
+    elif target == "window steps":  # SGLang's mamba_steps_to_track: -1 for no snapshot
+        kwargs = dict(mask=None, dst_indices=_t(DST_IDX), window_steps=_t([1, 0, 2, -1, 2], torch.int64), window=D)
+    snapshot = "window_steps" in kwargs
     one_states, one_ring = states.clone(), _clone(ring)
     one_out = None if out is None else out.clone()
-    replay_fold(one_states, idx, one_ring, idx, mask, is_kda=False,
-                dst=one_out if out is not None else (one_states if kwargs else None), **kwargs)
+    replay_fold(one_states, idx, one_ring, idx, is_kda=False,
+                dst=one_out if out is not None else (one_states if snapshot else None), **kwargs)
     layer_states, layer_ring = states.clone(), _clone(ring)
     layer_out = None if out is None else out.clone()
     for layer in range(LAYERS):
-        dst = layer_out[layer] if out is not None else (layer_states[layer] if kwargs else None)
-        replay_fold(layer_states[layer], idx, _layer(layer_ring, layer), idx, mask, is_kda=False, dst=dst, **kwargs)
+        dst = layer_out[layer] if out is not None else (layer_states[layer] if snapshot else None)
+        replay_fold(layer_states[layer], idx, _layer(layer_ring, layer), idx, is_kda=False, dst=dst, **kwargs)
     assert torch.equal(one_states, layer_states)
     _assert_same(one_ring, layer_ring)
     if out is not None:
         assert torch.equal(one_out, layer_out) and not torch.equal(one_out, out)
     else:
         assert not torch.equal(one_states, states)
+    if snapshot:  # the same snapshots from a cursor settled first (the unsettled fold read as the settle leaves it)
+        settled, settled_states = _clone(ring), states.clone()
+        advance(settled, idx, 0, window=D)
+        replay_fold(settled_states, idx, settled, idx, None, is_kda=False, dst=settled_states,
+                    dst_indices=_t(DST_IDX), window_steps=kwargs["window_steps"])
+        assert torch.equal(one_states, settled_states)
+        assert torch.equal(one_states[:, [4, 0, 7, 2]], states[:, [4, 0, 7, 2]])  # sources only read
+        assert torch.equal(one_states[:, 1], states[:, 1])  # the row without a snapshot
     with pytest.raises(ValueError, match="stacked states go with stacked rings"):
         replay_fold(states[0], idx, ring, idx, mask, is_kda=False)
 

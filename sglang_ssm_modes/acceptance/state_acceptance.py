@@ -17,7 +17,7 @@ Each model (target, draft) has its own pool and so its own ``StateAcceptance``: 
 never mix. Only device ops: no host synchronisation. It runs eagerly after the verify, outside CUDA graphs, so
 its cost is launches: every kernel takes the pool's stacked per-layer buffers and serves every linear layer in
 one launch (a grid axis), from the batch's own index tensors — a step's commit is one launch in compact and
-replay (two more for tracked snapshots) whatever the model's depth, as native's scatter. The conv window is
+replay (compact one more, replay two, with tracked snapshots) whatever the model's depth, as native's scatter. The conv window is
 committed beside it, in every mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit
 hook).
 """
@@ -77,12 +77,12 @@ class StateAcceptance:
         if track_indices is None:  # the verify's fused folds settle with the accepted lengths
             advance(ring, state_indices, last_index, window=window, accepted_offset=1)
             return
-        advance(ring, state_indices, 0, window=window)  # settle the folds: the cursor the snapshots read
-        tracked = steps_to_track >= 0
-        replay_fold(temporal, state_indices, ring, state_indices, tracked, is_kda=self.is_kda, dst=temporal,
-                    dst_indices=track_indices, past_cursor=steps_to_track + 1)
-        clear_history(ring, track_indices, tracked)
-        advance(ring, state_indices, last_index, accepted_offset=1)
+        # snapshots from the window just verified (the fold reads the cursor the advance will leave), their
+        # slots without history, then the cursor moves as without them
+        replay_fold(temporal, state_indices, ring, state_indices, None, is_kda=self.is_kda, dst=temporal,
+                    dst_indices=track_indices, window_steps=steps_to_track, window=window)
+        clear_history(ring, track_indices, steps_to_track >= 0)
+        advance(ring, state_indices, last_index, window=window, accepted_offset=1)
 
 
 def _scatter_steps(states: torch.Tensor, intermediate: torch.Tensor, dst_indices: torch.Tensor,

@@ -15,22 +15,24 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_records
-from .ring import ReplayRing, after_fold, flag_nonfinite, ring_layers
+from .ring import ReplayRing, after_fold, flag_nonfinite, ring_layers, window_overflows
 
 
-@triton.jit(do_not_specialize=["src_slots", "dst_slots", "R"])
+@triton.jit(do_not_specialize=["src_slots", "dst_slots", "R", "window"])
 def replay_fold_kernel(
     src, src_indices, dst, dst_indices, mask,
-    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, past_cursor, src_slots, dst_slots, R,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L: tl.constexpr, IS_KDA: tl.constexpr, PAST_CURSOR: tl.constexpr,
+    r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, window_steps, src_slots, dst_slots, R,
+    window, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, HAS_MASK: tl.constexpr, WINDOW_STEPS: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), N * HV, layers)``. For each request n with ``mask[n]`` and non-negative
-    ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``, in every layer l: ``dst[l * dst_slots +
+    """Grid ``(cdiv(V, BV), N * HV, layers)``. For each request n (with ``mask[n]`` where ``HAS_MASK``) and
+    non-negative ``src_indices[n]``, ``dst_indices[n]``, ``rec_indices[n]``, in every layer l: ``dst[l * dst_slots +
     dst_indices[n]]`` (``[layers * dst_slots, HV, V, K]``, any float dtype) = ``src[l * src_slots + src_indices[n]]``
-    advanced over the first ``count`` records of ring slot ``l * R + rec_indices[n]`` (plus ``past_cursor[n]``
-    records after them where ``PAST_CURSOR``: into the window just verified, for a tracked snapshot). Every
-    program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``. A non-finite result is written and
+    advanced over the history of ring slot ``l * R + rec_indices[n]``: its first ``count`` records, or, where
+    ``WINDOW_STEPS``, through step ``window_steps[n]`` of the ``window``-token verify that just ran (rows with a
+    negative step skipped; where that verify's fused fold is not settled yet, ``count + window > L``, its records
+    start the other half: ``count`` 0, ``phase`` flipped — the cursor ``advance(window=window)`` will leave).
+    Every program owns one ``[K, BV]`` tile, so ``dst`` may be ``src``. A non-finite result is written and
     flagged in the ring slot's ``r_faults``."""
     i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -38,7 +40,14 @@ def replay_fold_kernel(
     si = tl.load(src_indices + i_n).to(tl.int64)
     di = tl.load(dst_indices + i_n).to(tl.int64)
     r = tl.load(rec_indices + i_n).to(tl.int64)
-    if (tl.load(mask + i_n) != 0) & (si >= 0) & (di >= 0) & (r >= 0):
+    go = (si >= 0) & (di >= 0) & (r >= 0)
+    if HAS_MASK:
+        go = go & (tl.load(mask + i_n) != 0)
+    step = -1
+    if WINDOW_STEPS:
+        step = tl.load(window_steps + i_n).to(tl.int32)
+        go = go & (step >= 0)
+    if go:
         si, di, r = si + i_l * src_slots, di + i_l * dst_slots, r + i_l * R
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -48,10 +57,13 @@ def replay_fold_kernel(
         tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(src + si * HV * K * V + tile, mask=mask_h, other=0).to(tl.float32)
-        rec0 = r * 2 * L + tl.load(r_phase + r).to(tl.int64) * L
         n_rec = tl.load(r_count + r)
-        if PAST_CURSOR:
-            n_rec += tl.load(past_cursor + i_n).to(tl.int32)
+        phase = tl.load(r_phase + r)
+        if WINDOW_STEPS:
+            settles = (window > 0) & window_overflows(n_rec, window, L)
+            phase = tl.where(settles, 1 - phase, phase)
+            n_rec = tl.where(settles, 0, n_rec) + step + 1
+        rec0 = r * 2 * L + phase.to(tl.int64) * L
         b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, rec0, n_rec, i_h, i_hv, o_k, o_v, mask_k, mask_v,
                             H, HV, K, V, IS_KDA)
         p_dst = dst + di * HV * K * V + tile
@@ -61,14 +73,16 @@ def replay_fold_kernel(
 
 
 def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
-                record_indices: torch.Tensor, mask: torch.Tensor, *, is_kda: bool,
+                record_indices: torch.Tensor, mask: torch.Tensor | None, *, is_kda: bool,
                 dst: torch.Tensor | None = None, dst_indices: torch.Tensor | None = None,
-                past_cursor: torch.Tensor | None = None) -> None:
+                window_steps: torch.Tensor | None = None, window: int = 0) -> None:
     """Fold (``dst`` None: in place into ``checkpoints``) or materialise (into ``dst`` at
-    ``dst_indices``) the histories of the requests selected by ``mask`` ``[N]`` (bool). The cursor is
-    not changed: an in-place fold is :func:`fold_into_checkpoints`; a materialise leaves
-    checkpoint and history as they were. ``past_cursor`` ``[N]`` (any integer dtype) replays that many
-    records after the cursor's count as well (the window just verified).
+    ``dst_indices``) the histories of the requests selected by ``mask`` ``[N]`` (bool; None: every row). The
+    cursor is not changed: an in-place fold is :func:`fold_into_checkpoints`; a materialise leaves
+    checkpoint and history as they were. ``window_steps`` ``[N]`` (any integer dtype; SGLang's
+    ``mamba_steps_to_track``) materialises the state after that step of the ``window``-token chain verify that
+    just ran (its records past the cursor; a negative step: nothing), before the acceptance's
+    ``advance(window=window)`` — a tracked radix-cache snapshot.
 
     One layer (``checkpoints`` / ``dst`` ``[slots, HV, V, K]``, ``ring`` one layer's), or every layer in one
     launch: the pool's stacked ``[layers, slots, HV, V, K]`` states (``dst`` stacked too) and rings
@@ -82,11 +96,12 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
     hv, vdim, kdim = checkpoints.shape[-3:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv, layers)](
-        checkpoints, state_indices, dst, state_indices if dst_indices is None else dst_indices, mask,
-        ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices,
-        state_indices if past_cursor is None else past_cursor, checkpoints.shape[-4], dst.shape[-4], rec_slots,
-        H=ring.k_raw.shape[-2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, L=ring.history, IS_KDA=is_kda,
-        PAST_CURSOR=past_cursor is not None, num_warps=1, num_stages=3)
+        checkpoints, state_indices, dst, state_indices if dst_indices is None else dst_indices,
+        state_indices if mask is None else mask, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase,
+        ring.faults, record_indices, state_indices if window_steps is None else window_steps, checkpoints.shape[-4],
+        dst.shape[-4], rec_slots, window, H=ring.k_raw.shape[-2], HV=hv, K=kdim, V=vdim, BK=BK, BV=BV,
+        L=ring.history, IS_KDA=is_kda, HAS_MASK=mask is not None, WINDOW_STEPS=window_steps is not None,
+        num_warps=1, num_stages=3)
 
 
 def fold_into_checkpoints(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: ReplayRing,
