@@ -84,6 +84,8 @@ def build(mode: str, family: str, layers: int, batch: int, draft: int, history: 
 
 
 def bench_case(mode, family, layers, batch, draft, history, state_dtype, track, iters):
+    """One mode's commit at one batch: ``host_us`` / ``span_us`` medians over ``iters`` calls, the kernels one
+    call launches (CUDA profiler) and the path it took."""
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
     from torch.profiler import ProfilerActivity, profile
@@ -147,17 +149,21 @@ def _kernel_name(key: str) -> str:
 
 
 def write_report(out: str, meta: dict, rows: list[dict]) -> None:
+    """``commit_h200.{json,md,png}`` under ``out`` (named as the project's other results whatever the card:
+    ``gpu`` in the JSON names it): the rows, a table with each mode's span against native's, a plot."""
     with open(os.path.join(out, "commit_h200.json"), "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
-    lines = [f"# Commit after a speculative verify, per step — {meta['gpu']}, commit {meta['commit']}, {meta['date']}",
+    lines = [f"# Commit after a speculative verify, per step — {meta['gpu']}, commit {meta['commit']}, "
+             f"{meta['date']}",
              "", f"{meta['layers']} linear layers, D = {meta['draft_tokens']}, {meta['state_dtype']} state, replay "
              f"L = {meta['history']}. host = CPU µs to issue; span = stream µs; launches = kernels per call.", "",
-             "| family | track | batch | mode | host µs | span µs | launches | span / native |", "|---|---|---|---|---|---|---|---|"]
+             "| family | track | batch | mode | host µs | span µs | launches | span / native |",
+             "|---|---|---|---|---|---|---|---|"]
     base = {(r["family"], r["track"], r["batch"]): r["span_us"] for r in rows if r["mode"] == "native"}
     for r in rows:
         ratio = r["span_us"] / base[(r["family"], r["track"], r["batch"])]
-        lines.append(f"| {r['family']} | {r['track']} | {r['batch']} | {r['mode']} | {r['host_us']} | {r['span_us']} | "
-                     f"{r['launches']} | {ratio:.2f} |")
+        lines.append(f"| {r['family']} | {r['track']} | {r['batch']} | {r['mode']} | {r['host_us']} | "
+                     f"{r['span_us']} | {r['launches']} | {ratio:.2f} |")
     with open(os.path.join(out, "commit_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
@@ -168,7 +174,8 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), sharey=True, squeeze=False)
     for ax, (fam, tr) in zip(axes[0], keys):
         for mode in MODES:
-            pts = sorted((r["batch"], r["span_us"]) for r in rows if (r["family"], r["track"], r["mode"]) == (fam, tr, mode))
+            pts = sorted((r["batch"], r["span_us"]) for r in rows
+                         if (r["family"], r["track"], r["mode"]) == (fam, tr, mode))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{fam.upper()} commit{' + track' if tr else ''}")

@@ -15,6 +15,7 @@ from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, clear_history, fold_into_checkpoints, replay_fold
 
 LAYERS, SLOTS, HK, HV, K, V, D, L = 3, 9, 2, 4, 16, 32, 3, 4
+RING_SLOTS = SLOTS + 2  # not the state's slot count: a kernel mixing the two per-layer strides cannot pass
 STATE_IDX = [4, -1, 0, 7, 2]  # a padding row
 DST_IDX = [5, 6, -1, 1, 8]  # snapshot slots (one row without)
 
@@ -28,16 +29,16 @@ def _states(gen, dtype=torch.float32):
 
 
 def _ring(gen) -> ReplayRing:
-    ring = ReplayRing.allocate(LAYERS * SLOTS, L, HK, HV, K, V, False, torch.bfloat16, DEVICE)
-    stacked = {f.name: getattr(ring, f.name).view(LAYERS, SLOTS, *getattr(ring, f.name).shape[1:]) for f in fields(ring)}
+    ring = ReplayRing.allocate(LAYERS * RING_SLOTS, L, HK, HV, K, V, False, torch.bfloat16, DEVICE)
+    stacked = {f.name: t.view(LAYERS, RING_SLOTS, *t.shape[1:]) for f in fields(ring) for t in [getattr(ring, f.name)]}
     stacked["k_raw"].copy_(torch.randn(stacked["k_raw"].shape, generator=gen))
     stacked["v_raw"].copy_(torch.randn(stacked["v_raw"].shape, generator=gen))
     stacked["g"].copy_(-torch.rand(stacked["g"].shape, generator=gen) * 0.5)
     stacked["beta"].copy_(torch.rand(stacked["beta"].shape, generator=gen))
-    stacked["count"].copy_(torch.randint(0, L - D + 1, (LAYERS, SLOTS), generator=gen))
-    stacked["phase"].copy_(torch.randint(0, 2, (LAYERS, SLOTS), generator=gen))
+    stacked["count"].copy_(torch.randint(0, L - D + 1, (LAYERS, RING_SLOTS), generator=gen))
+    stacked["phase"].copy_(torch.randint(0, 2, (LAYERS, RING_SLOTS), generator=gen))
     for word in ("folds", "faults", "tickets"):
-        stacked[word].copy_(torch.randint(0, 3, (LAYERS, SLOTS), generator=gen))
+        stacked[word].copy_(torch.randint(0, 3, (LAYERS, RING_SLOTS), generator=gen))
     return ReplayRing(**stacked)
 
 
@@ -166,8 +167,36 @@ def test_clear_history_of_every_layer(selected):
         clear_history(_layer(per_layer, layer), idx, sel)
     _assert_same(one, per_layer)
     cleared = [3, 8] if selected else [3, 6, 8]
-    kept = [s for s in range(SLOTS) if s not in cleared]
+    kept = [s for s in range(RING_SLOTS) if s not in cleared]
     for word in ("count", "phase", "faults", "tickets"):
         assert (getattr(one, word)[:, cleared] == 0).all()
         assert torch.equal(getattr(one, word)[:, kept], getattr(ring, word)[:, kept])
     assert torch.equal(one.folds, ring.folds)  # cumulative: a cleared history keeps its fold count
+
+
+def test_a_single_stacked_layer_is_served_as_stacked():
+    """A pool of one linear layer (a pipeline stage, a small model) stacks ``[1, slots, ...]``: served as stacked,
+    the same as that layer's own views; stacked states with another layer count are refused."""
+    gen = torch.Generator().manual_seed(51)
+    states, ring = _states(gen)[:1].clone(), _ring(gen)
+    one_ring = type(ring)(*(getattr(ring, f.name)[:1].clone() for f in fields(ring)))
+    idx = _t(STATE_IDX)
+    stacked_states, stacked_ring = states.clone(), _clone(one_ring)
+    replay_fold(stacked_states, idx, stacked_ring, idx, None, is_kda=False, dst=stacked_states,
+                dst_indices=_t(DST_IDX))
+    layer_states, layer_ring = states.clone(), _clone(one_ring)
+    replay_fold(layer_states[0], idx, _layer(layer_ring, 0), idx, None, is_kda=False, dst=layer_states[0],
+                dst_indices=_t(DST_IDX))
+    assert torch.equal(stacked_states, layer_states) and not torch.equal(stacked_states, states)
+    with pytest.raises(ValueError, match="layer for layer"):
+        replay_fold(_states(gen), idx, one_ring, idx, None, is_kda=False)
+    rec = CompactRecordBuffers(
+        k=torch.randn(1, 6, D, HK, K, generator=gen).to(torch.bfloat16).to(DEVICE),
+        v=torch.randn(1, 6, D, HV, V, generator=gen).to(torch.bfloat16).to(DEVICE),
+        g=(-torch.rand(1, 6, D, HV, 1, generator=gen) * 0.5).to(DEVICE),
+        beta=torch.rand(1, 6, D, HV, generator=gen).to(DEVICE))
+    rec_idx, last = _t([0, 1, 5, 2, 3]), _t([2, 1, 2, -1, 0], torch.int64)
+    stacked_states, layer_states = states.clone(), states.clone()
+    compact_commit(stacked_states, idx, rec, rec_idx, last, is_kda=False)
+    compact_commit(layer_states[0], idx, _layer(rec, 0), rec_idx, last, is_kda=False)
+    assert torch.equal(stacked_states, layer_states) and not torch.equal(stacked_states, states)

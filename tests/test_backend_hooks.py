@@ -358,3 +358,45 @@ def test_replay_decode_tracking_for_the_radix_cache(path, monkeypatch, cuda_scra
         untouched = [s for s in range(replay.size + 1) if s not in (1, 2, 5, 6, 7)]
         assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
 
+
+
+@pytest.mark.parametrize("layer_by_layer", [False, True])
+def test_replay_prefill_folds_every_layer_before_sglangs_kernel(layer_by_layer, monkeypatch,
+                                                                 cuda_scratch_on_cpu):  # noqa: F811
+    """A replay prefill folds the batch's histories before SGLang's chunked kernel runs: every linear layer at
+    the first one (one launch each over the pool's stacked buffers), or — where HiCache loads the states layer
+    by layer (``layer_transfer_counter``) — each layer its own, after waiting for that layer's load. Either way
+    the states are the per-layer folds bit for bit, padding rows and slots outside the batch untouched."""
+    gen = torch.Generator().manual_seed(5)
+    req = make_pool("replay", 1, monkeypatch, "gdn", history=8)
+    pool, rings = req.mamba_pool, req.mamba_pool.replay_rings
+    seed_pools([req], gen)
+    rings.k_raw.copy_(torch.randn(rings.k_raw.shape, generator=gen))
+    rings.v_raw.copy_(torch.randn(rings.v_raw.shape, generator=gen))
+    rings.g.copy_(-torch.rand(rings.g.shape, generator=gen) * 0.5)
+    rings.beta.copy_(torch.rand(rings.beta.shape, generator=gen))
+    rings.count[:, [2, 4, 5]] = 3  # histories in every layer; slot 5 is not in the batch
+    slots = torch.tensor([2, -1, 4], dtype=torch.int32, device=DEV)
+    expected = pool.mamba_cache.temporal.clone()
+    for layer in range(LAYERS):
+        replay_fold(expected[layer], slots, pool.layer_ring(layer), slots, slots >= 0, is_kda=False)
+    waited = []
+    if layer_by_layer:
+        req.register_layer_transfer_counter(SimpleNamespace(wait_until=waited.append))
+    backend = make_backend(req)
+    counts_seen = []
+
+    def chunked_kernel(backend, *, layer, **kwargs):  # SGLang's kernel: here it only looks at the cursors
+        counts_seen.append(rings.count[:, [2, 4]].tolist())
+
+    for layer_id in range(LAYERS):
+        backend.forward_metadata = ForwardMetadata(
+            query_start_loc=torch.arange(0, 3 * 4 + 1, 4, dtype=torch.int32, device=DEV), mamba_cache_indices=slots)
+        batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=3, mamba_track_mask=None)
+        backend_hooks.forward_extend(chunked_kernel, backend, layer=SimpleNamespace(layer_id=layer_id),
+                                     forward_batch=batch, mixed_qkv=None, a=None, b=None)
+    folded, pending = [0, 0], [3, 3]
+    assert counts_seen == ([[folded, pending], [folded, folded]] if layer_by_layer else [[folded, folded]] * 2)
+    assert waited == ([0, 1] if layer_by_layer else [])
+    assert torch.equal(pool.mamba_cache.temporal, expected)
+    assert rings.count[:, 5].tolist() == [3] * LAYERS and rings.phase[:, [2, 4]].eq(1).all()

@@ -266,7 +266,7 @@ def test_request_count_is_not_a_compile_time_constant():
     write-through's ``T``: 1 for a decode, a server's D for a verify, fixed for the server's life); so are the
     fold's slot counts per layer (a materialise into a temporary of N requests has N)."""
     for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
-                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, {"src_slots", "dst_slots", "R"}),
+                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, {"src_slots", "dst_slots", "R", "window"}),
                          (replay_write_through_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty

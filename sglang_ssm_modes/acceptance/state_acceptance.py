@@ -17,9 +17,9 @@ Each model (target, draft) has its own pool and so its own ``StateAcceptance``: 
 never mix. Only device ops: no host synchronisation. It runs eagerly after the verify, outside CUDA graphs, so
 its cost is launches: every kernel takes the pool's stacked per-layer buffers and serves every linear layer in
 one launch (a grid axis), from the batch's own index tensors — a step's commit is one launch in compact and
-replay (compact one more, replay two, with tracked snapshots) whatever the model's depth, as native's scatter. The conv window is
-committed beside it, in every mode, by SGLang's own scatter of its per-step conv scratch (the backend's commit
-hook).
+replay whatever the model's depth, as native's scatter (with tracked snapshots: compact 2, replay 3, replay's
+tree path through compact's records 3). The conv window is committed beside it, in every mode, by SGLang's own
+scatter of its per-step conv scratch (the backend's commit hook).
 """
 
 from __future__ import annotations

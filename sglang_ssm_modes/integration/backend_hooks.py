@@ -154,16 +154,25 @@ def _track_decode(backend, cache, ring, indices, forward_batch, kda: bool) -> No
 
 
 def _replay_extend(backend, pool: ModeMambaPool, layer, forward_batch) -> None:
-    """Before a replay-mode prefill of one layer: fold the batch's histories (decode requests riding
-    in a mixed batch, or none) so SGLang's chunked kernel continues from the canonical state; with
-    extra_buffer, empty the histories of the track slots SGLang's extend tracking is about to write a
-    raw (canonical) state into — a reused slot may still hold a previous owner's records. On the
-    forward stream, like SGLang's own deferred clears."""
-    md = backend.forward_metadata
-    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
-    indices = md.mamba_cache_indices
-    fold_into_checkpoints(cache.temporal, indices, ring, indices, indices >= 0, is_kda=_is_kda(backend))
+    """Before a replay-mode prefill: fold the batch's histories (decode requests riding in a mixed batch, or
+    none) so SGLang's chunked kernel continues from the canonical state; with extra_buffer, empty the histories
+    of the track slots SGLang's extend tracking is about to write a raw (canonical) state into — a reused slot
+    may still hold a previous owner's records. On the forward stream, like SGLang's own deferred clears.
+
+    At the first linear layer, for every linear layer in one launch each (the pool's stacked buffers; no
+    layer's forward touches another's state). Where HiCache loads the states layer by layer
+    (``layer_transfer_counter``), a layer's state may still be arriving on the load stream until its own
+    ``mamba2_layer_cache`` waits for it: then each layer folds its own, after that wait."""
+    to_token = backend.req_to_token_pool
+    local = to_token.mamba_map[layer.layer_id]
+    if to_token.layer_transfer_counter is not None:
+        temporal, ring = to_token.mamba2_layer_cache(layer.layer_id).temporal, pool.layer_ring(local)
+    elif local == 0:
+        temporal, ring = pool.mamba_cache.temporal, pool.replay_rings
+    else:
+        return
+    indices = backend.forward_metadata.mamba_cache_indices
+    fold_into_checkpoints(temporal, indices, ring, indices, indices >= 0, is_kda=_is_kda(backend))
     if forward_batch.mamba_track_mask is not None:
         bs = forward_batch.batch_size
         clear_history(ring, forward_batch.mamba_track_indices[:bs], forward_batch.mamba_track_mask[:bs])

@@ -80,9 +80,11 @@ def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, record
     n = state_indices.shape[0]
     dst = ssm_states if dst_states is None else dst_states
     layers, rec_slots = records.layers_and_slots
-    if ssm_states.dim() != 4 + (layers > 1) or dst.dim() != ssm_states.dim():
-        raise ValueError(f"states {tuple(ssm_states.shape)} / {tuple(dst.shape)} and records of {layers} layers: "
-                         "stacked states go with stacked records")
+    stacked = records.k.dim() == 5
+    if ssm_states.dim() != 4 + stacked or dst.dim() != ssm_states.dim() or (
+            stacked and not ssm_states.shape[0] == dst.shape[0] == layers):
+        raise ValueError(f"states {tuple(ssm_states.shape)} / {tuple(dst.shape)} and records of shape "
+                         f"{tuple(records.k.shape)}: stacked states go with stacked records, layer for layer")
     hv, vdim, kdim = ssm_states.shape[-3:]
     hk = records.k.shape[-2]
     parents = retrieve_parent_token

@@ -90,9 +90,11 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
     n = state_indices.shape[0]
     dst = checkpoints if dst is None else dst
     layers, rec_slots = ring_layers(ring)
-    if checkpoints.dim() != 4 + (layers > 1) or dst.dim() != checkpoints.dim():
-        raise ValueError(f"states {tuple(checkpoints.shape)} / {tuple(dst.shape)} and a ring of {layers} layers: "
-                         "stacked states go with stacked rings")
+    stacked = ring.count.dim() == 2
+    if checkpoints.dim() != 4 + stacked or dst.dim() != checkpoints.dim() or (
+            stacked and not checkpoints.shape[0] == dst.shape[0] == layers):
+        raise ValueError(f"states {tuple(checkpoints.shape)} / {tuple(dst.shape)} and a ring of cursor shape "
+                         f"{tuple(ring.count.shape)}: stacked states go with stacked rings, layer for layer")
     hv, vdim, kdim = checkpoints.shape[-3:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv, layers)](

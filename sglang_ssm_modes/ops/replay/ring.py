@@ -135,7 +135,7 @@ def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_
 
 @triton.jit(do_not_specialize=["N", "R"])
 def clear_kernel(count, phase, faults, tickets, rec_indices, selected, N, R, SELECTED: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr):  # the words in the order of ReplayRing.cleared_words
     """Grid ``(cdiv(N, BLOCK), layers)``: zero the :meth:`ReplayRing.cleared_words` of ring slot
     ``layer * R + rec_indices[row]`` for each row with a non-negative slot (and ``selected[row]``, bool ``[N]``,
     where ``SELECTED``); a slot listed twice gets the same zeros. Words ``[layers * R]`` int32."""
@@ -196,7 +196,7 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
 def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> torch.Tensor:
     """``[N]`` bool: the request's history must be folded before a window of ``window`` tokens
     (``count + window > L``, as :func:`window_overflows` in the kernels). Padding rows (negative slot)
-    never fold."""
+    never fold. ``ring``: one layer's."""
     slots = record_indices.clamp_min(0).long()
     return (record_indices >= 0) & (ring.count[slots] + window > ring.history)
 
@@ -227,5 +227,5 @@ def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torc
         return
     layers, slots = ring_layers(ring)
     clear_kernel[(triton.cdiv(n, 256), layers)](
-        ring.count, ring.phase, ring.faults, ring.tickets, record_indices,
-        record_indices if selected is None else selected, n, slots, SELECTED=selected is not None, BLOCK=256)
+        *ring.cleared_words(), record_indices, record_indices if selected is None else selected, n, slots,
+        SELECTED=selected is not None, BLOCK=256)
