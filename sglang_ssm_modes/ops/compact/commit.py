@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_record, apply_records, tree_ancestors
+from ..layer_stack import check_layer_stack
 from .records import CompactRecordBuffers
 
 
@@ -80,11 +81,7 @@ def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, record
     n = state_indices.shape[0]
     dst = ssm_states if dst_states is None else dst_states
     layers, rec_slots = records.layers_and_slots
-    stacked = records.k.dim() == 5
-    if ssm_states.dim() != 4 + stacked or dst.dim() != ssm_states.dim() or (
-            stacked and not ssm_states.shape[0] == dst.shape[0] == layers):
-        raise ValueError(f"states {tuple(ssm_states.shape)} / {tuple(dst.shape)} and records of shape "
-                         f"{tuple(records.k.shape)}: stacked states go with stacked records, layer for layer")
+    check_layer_stack(ssm_states, dst, layers, records.k.dim() == 5, "records", records.k.shape)
     hv, vdim, kdim = ssm_states.shape[-3:]
     hk = records.k.shape[-2]
     parents = retrieve_parent_token

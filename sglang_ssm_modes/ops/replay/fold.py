@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..delta_rule_step import apply_records
+from ..layer_stack import check_layer_stack
 from .ring import ReplayRing, after_fold, flag_nonfinite, ring_layers, window_overflows
 
 
@@ -90,11 +91,7 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
     n = state_indices.shape[0]
     dst = checkpoints if dst is None else dst
     layers, rec_slots = ring_layers(ring)
-    stacked = ring.count.dim() == 2
-    if checkpoints.dim() != 4 + stacked or dst.dim() != checkpoints.dim() or (
-            stacked and not checkpoints.shape[0] == dst.shape[0] == layers):
-        raise ValueError(f"states {tuple(checkpoints.shape)} / {tuple(dst.shape)} and a ring of cursor shape "
-                         f"{tuple(ring.count.shape)}: stacked states go with stacked rings, layer for layer")
+    check_layer_stack(checkpoints, dst, layers, ring.count.dim() == 2, "rings", ring.count.shape)
     hv, vdim, kdim = checkpoints.shape[-3:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv, layers)](
