@@ -228,3 +228,30 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
         kernel_registers.main(bad)
+
+
+import bench_commit  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [["--layers", "0"], ["--iters", "0"], ["--draft-tokens", "1"], ["--batches", "0"],
+                                 ["--history", "12"], ["--track", "sometimes"], ["--families", "mamba"]])
+def test_bench_commit_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
+    monkeypatch.setattr(bench_commit.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
+    with pytest.raises(SystemExit) as exc:
+        bench_commit.main(["--out", "/tmp/unused", *bad])
+    assert exc.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
+
+
+def test_bench_commit_report_from_rows(tmp_path):
+    rows = [dict(op="commit", family="gdn", mode=m, impl=i, state_dtype="float32", batch=8, draft_tokens=4,
+                 track=False, host_us=h, span_us=s, launches=n, kernels=["k"], path="p")
+            for m, i, h, s, n in (("native", "sglang-0.5.14-native", 60.0, 100.0, 4),
+                                  ("compact", "ours-compact", 70.0, 110.0, 3), ("replay", "ours-replay", 65.0, 20.0, 3))]
+    meta = dict(gpu="GPU", date="2026-12-05", commit="abc", layers=36, draft_tokens=4, history=16,
+                state_dtype="float32")
+    bench_commit.write_report(str(tmp_path), meta, rows)
+    assert json.loads((tmp_path / "commit_h200.json").read_text())["rows"] == rows
+    table = (tmp_path / "commit_h200.md").read_text()
+    assert "| gdn | False | 8 | compact | 70.0 | 110.0 | 3 | 1.10 |" in table
+    assert "| gdn | False | 8 | replay | 65.0 | 20.0 | 3 | 0.20 |" in table
+    assert (tmp_path / "commit_h200.png").stat().st_size > 0
