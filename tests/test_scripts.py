@@ -71,19 +71,6 @@ def test_gpu_suite_names_its_parts_and_needs_the_site_archive(tmp_path):
 import bench_replay  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"],
-                                 ["--draft-tokens", "0"], ["--variants", "24x4"], ["--variants", "32"],
-                                 ["--variants", "32x3"], ["--variants", "16x1:w3"], ["--variants", "16x1:x"],
-                                 ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
-                                 ["--variants", "served:through:inorder"], ["--variants", "served:through:k32"],
-                                 ["--variants", "served:vk"], ["--variants", "16x1:nothrough:kv"]])
-def test_bench_replay_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
-    monkeypatch.setattr(bench_replay.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
-    with pytest.raises(SystemExit) as exc:
-        bench_replay.main(["--out", "/tmp/unused", *bad])
-    assert exc.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
-
-
 def test_bench_replay_variants_name_the_launch_options():
     p = bench_replay.argparse.ArgumentParser()
     assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot", "16x1:inorder", "16x1:foldfirst"]) == [
@@ -176,14 +163,6 @@ def test_record_bytes_match_the_sizing_model():
 import replay_drift  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [["--tokens", "0"], ["--history", "12"], ["--families", "mamba"]])
-def test_replay_drift_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
-    monkeypatch.setattr(replay_drift.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
-    with pytest.raises(SystemExit) as e:
-        replay_drift.main(["--out", "/tmp/unused", *bad])
-    assert e.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
-
-
 def test_replay_drift_report(tmp_path):
     rows = [dict(family="gdn", tokens=t, impl=impl, history=16, rel_err=err * t)
             for t in (500, 1000) for impl, err in (("sglang-0.5.14-native-bf16", 1e-5), ("ours-replay-bf16", 2e-6))]
@@ -233,12 +212,26 @@ def test_kernel_registers_validates_arguments(bad):
 import bench_commit  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [["--layers", "0"], ["--iters", "0"], ["--draft-tokens", "1"], ["--batches", "0"],
-                                 ["--history", "12"], ["--track", "sometimes"], ["--families", "mamba"]])
-def test_bench_commit_validates_arguments_before_looking_for_a_gpu(bad, monkeypatch, capsys):
-    monkeypatch.setattr(bench_commit.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
+GPU_SCRIPT_BAD_ARGUMENTS = [
+    *(("bench_replay", bad) for bad in (
+        ["--histories", "4", "--draft-tokens", "8"], ["--histories", "12"], ["--draft-tokens", "0"],
+        ["--variants", "24x4"], ["--variants", "32"], ["--variants", "32x3"], ["--variants", "16x1:w3"],
+        ["--variants", "16x1:x"], ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
+        ["--variants", "served:through:inorder"], ["--variants", "served:through:k32"], ["--variants", "served:vk"],
+        ["--variants", "16x1:nothrough:kv"])),
+    *(("replay_drift", bad) for bad in (["--tokens", "0"], ["--history", "12"], ["--families", "mamba"])),
+    *(("bench_commit", bad) for bad in (["--layers", "0"], ["--iters", "0"], ["--draft-tokens", "1"],
+                                        ["--batches", "0"], ["--history", "12"], ["--track", "sometimes"],
+                                        ["--families", "mamba"])),
+]
+
+
+@pytest.mark.parametrize("script,bad", GPU_SCRIPT_BAD_ARGUMENTS)
+def test_gpu_scripts_validate_arguments_before_looking_for_a_gpu(script, bad, monkeypatch, capsys):
+    module = {"bench_replay": bench_replay, "replay_drift": replay_drift, "bench_commit": bench_commit}[script]
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)  # only the argument can refuse
     with pytest.raises(SystemExit) as exc:
-        bench_commit.main(["--out", "/tmp/unused", *bad])
+        module.main(["--out", "/tmp/unused", *bad])
     assert exc.value.code == 2 and "needs a CUDA GPU" not in capsys.readouterr().err
 
 
