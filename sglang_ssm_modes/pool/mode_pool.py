@@ -218,10 +218,9 @@ class ModeMambaPool(MambaPool):
             self.mamba_cache.conv[i][:, dst_indices] = self.mamba_cache.conv[i][:, src_indices]
         src, dst = _as_index(src_indices, self.device), _as_index(dst_indices, self.device)
         self.materialised += src.shape[0]
-        everything = torch.ones_like(src, dtype=torch.bool)
         temporal = self.mamba_cache.temporal  # every layer in one launch
-        replay_fold(temporal, src, self.replay_rings, src, everything, is_kda=self.heads.family == "kda",
-                    dst=temporal, dst_indices=dst)
+        replay_fold(temporal, src, self.replay_rings, src, None, is_kda=self.heads.family == "kda", dst=temporal,
+                    dst_indices=dst)
         self.clear_history(dst)
 
     def materialise_in_place(self, indices: torch.Tensor) -> None:
@@ -245,9 +244,8 @@ class ModeMambaPool(MambaPool):
         out = torch.empty((temporal.shape[0], idx.shape[0], *temporal.shape[2:]), dtype=temporal.dtype,
                           device=temporal.device)
         self.materialised += idx.shape[0]
-        everything = torch.ones_like(idx, dtype=torch.bool)
         rows = torch.arange(idx.shape[0], dtype=torch.int32, device=idx.device)
-        replay_fold(temporal, idx, self.replay_rings, idx, everything, is_kda=self.heads.family == "kda", dst=out,
+        replay_fold(temporal, idx, self.replay_rings, idx, None, is_kda=self.heads.family == "kda", dst=out,
                     dst_indices=rows)
         return out
 

@@ -76,12 +76,11 @@ def compact_commit(ssm_states: torch.Tensor, state_indices: torch.Tensor, record
     per request (< 0: padding). ``retrieve_parent_token`` ``[N, D]`` selects tree semantics. The
     request count is a runtime value (the grid), never a compile-time constant. Every layer in one launch:
     the pool's stacked ``[layers, slots, HV, V, K]`` states (``dst_states`` too) and records
-    (:attr:`CompactRecordBuffers.layers_and_slots`), the same slots in every layer.
+    (:attr:`CompactRecordBuffers.stacked`), the same slots in every layer.
     """
     n = state_indices.shape[0]
     dst = ssm_states if dst_states is None else dst_states
-    layers, rec_slots = records.layers_and_slots
-    check_layer_stack(ssm_states, dst, layers, records.k.dim() == 5, "records", records.k.shape)
+    layers, rec_slots = check_layer_stack(ssm_states, dst, records, "records")
     hv, vdim, kdim = ssm_states.shape[-3:]
     hk = records.k.shape[-2]
     parents = retrieve_parent_token

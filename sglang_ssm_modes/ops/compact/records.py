@@ -42,7 +42,12 @@ class CompactRecordBuffers:
         return self.k.shape[-3]
 
     @property
+    def stacked(self) -> bool:
+        """Whether these are a pool's buffers stacked over its layers (``k`` ``[layers, R, D, HK, K]``), which the
+        commit serves for every layer in one launch, rather than one layer's (``[R, D, HK, K]``)."""
+        return self.k.dim() == 5
+
+    @property
     def layers_and_slots(self) -> tuple[int, int]:
-        """``(layers, R)``: one layer's buffers (``k`` ``[R, D, HK, K]``) or a pool's stacked ones
-        (``[layers, R, D, HK, K]``), which the commit serves for every layer in one launch."""
-        return (1, self.k.shape[0]) if self.k.dim() == 4 else tuple(self.k.shape[:2])
+        """``(layers, R)``; one layer's buffers: ``(1, R)``."""
+        return tuple(self.k.shape[:2]) if self.stacked else (1, self.k.shape[0])

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..delta_rule_step import apply_records
 from ..layer_stack import check_layer_stack
-from .ring import ReplayRing, after_fold, flag_nonfinite, ring_layers, window_overflows
+from .ring import ReplayRing, after_fold, flag_nonfinite, window_overflows
 
 
 @triton.jit(do_not_specialize=["src_slots", "dst_slots", "R", "window"])
@@ -44,7 +44,6 @@ def replay_fold_kernel(
     go = (si >= 0) & (di >= 0) & (r >= 0)
     if HAS_MASK:
         go = go & (tl.load(mask + i_n) != 0)
-    step = -1
     if WINDOW_STEPS:
         step = tl.load(window_steps + i_n).to(tl.int32)
         go = go & (step >= 0)
@@ -87,11 +86,10 @@ def replay_fold(checkpoints: torch.Tensor, state_indices: torch.Tensor, ring: Re
 
     One layer (``checkpoints`` / ``dst`` ``[slots, HV, V, K]``, ``ring`` one layer's), or every layer in one
     launch: the pool's stacked ``[layers, slots, HV, V, K]`` states (``dst`` stacked too) and rings
-    (:func:`~.ring.ring_layers`), the same slots in every layer."""
+    (:attr:`~.ring.ReplayRing.stacked`), the same slots in every layer."""
     n = state_indices.shape[0]
     dst = checkpoints if dst is None else dst
-    layers, rec_slots = ring_layers(ring)
-    check_layer_stack(checkpoints, dst, layers, ring.count.dim() == 2, "rings", ring.count.shape)
+    layers, rec_slots = check_layer_stack(checkpoints, dst, ring, "rings")
     hv, vdim, kdim = checkpoints.shape[-3:]
     BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
     replay_fold_kernel[(triton.cdiv(vdim, BV), n * hv, layers)](

@@ -88,6 +88,17 @@ class ReplayRing:
         """L: records a half holds."""
         return self.u.shape[-3] // 2
 
+    @property
+    def stacked(self) -> bool:
+        """Whether these are a pool's rings stacked over its layers (words ``[layers, R]``), which the cursor, clear
+        and fold kernels serve for every layer in one launch, rather than one layer's (words ``[R]``)."""
+        return self.count.dim() == 2
+
+    @property
+    def layers_and_slots(self) -> tuple[int, int]:
+        """``(layers, R)``; one layer's ring: ``(1, R)``."""
+        return tuple(self.count.shape) if self.stacked else (1, self.count.shape[0])
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor by name (for full-state comparisons and memory accounting)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -164,12 +175,6 @@ def flag_nonfinite(faults, r, b_h):
         tl.atomic_or(faults + r, _NONFINITE)
 
 
-def ring_layers(ring: ReplayRing) -> tuple[int, int]:
-    """``(layers, R)`` of a ring: one layer's (words ``[R]``) or the pool's stacked rings (``[layers, R]``),
-    which the cursor kernels update for every layer in one launch."""
-    return (1, ring.count.shape[0]) if ring.count.dim() == 1 else tuple(ring.count.shape)
-
-
 def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tensor | int,
             window: int = 0, *, accepted_offset: int = 0) -> None:
     """Acceptance: ``count += n`` for each request's record slot (``accepted``: ``[N]`` accepted lengths with
@@ -177,7 +182,7 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
     index into a length — or one int for every row; 0, a negative n or a negative slot: nothing added).
     ``window`` = the T of a :func:`~.verify.replay_verify` whose fused fold just ran: the requests it
     folded (``count + T > L``) first get an empty history in the other half. ``ring``: one layer's, or the
-    pool's stacked rings (:func:`ring_layers`: the same slots in every layer). One launch, no host sync,
+    pool's stacked rings (:attr:`ReplayRing.stacked`: the same slots in every layer). One launch, no host sync,
     no allocation; records past the cursor are simply overwritten by the next window. Record slots
     must be distinct."""
     n = record_indices.shape[0]
@@ -186,7 +191,7 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
     per_row = isinstance(accepted, torch.Tensor)
     if per_row and accepted.dtype.is_floating_point:
         raise TypeError(f"accepted lengths must be integers, not {accepted.dtype}")
-    layers, slots = ring_layers(ring)
+    layers, slots = ring.layers_and_slots
     advance_kernel[(triton.cdiv(n, 256), layers)](
         ring.count, ring.phase, ring.folds, ring.faults, record_indices, accepted if per_row else record_indices,
         0 if per_row else int(accepted), accepted_offset, n, slots, window, L=ring.history, PER_ROW=per_row,
@@ -221,11 +226,11 @@ def after_fold(ring: ReplayRing, record_indices: torch.Tensor, folded: torch.Ten
 def clear_history(ring: ReplayRing, record_indices: torch.Tensor, selected: torch.Tensor | None = None) -> None:
     """Empty the histories of the slots ``record_indices`` ``[N]`` (where ``selected``, bool ``[N]``; negative
     slots skipped) — slots that just received a materialised state: their faults go with them. ``ring``: one
-    layer's or the pool's stacked rings (:func:`ring_layers`). One launch."""
+    layer's or the pool's stacked rings (:attr:`ReplayRing.stacked`). One launch."""
     n = record_indices.shape[0]
     if not n:
         return
-    layers, slots = ring_layers(ring)
+    layers, slots = ring.layers_and_slots
     clear_kernel[(triton.cdiv(n, 256), layers)](
         *ring.cleared_words(), record_indices, record_indices if selected is None else selected, n, slots,
         SELECTED=selected is not None, BLOCK=256)
