@@ -29,28 +29,11 @@ from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_g
                           time_graph)
 
 
-def tile_label(tile) -> str:
-    """The verify a candidate runs: ``verify_window(records,native-tile)`` (None), ``verify_window(records,BV16xW1)``
-    (``("window", (16, 1))``) or ``compact_projected_verify(BV32xW4)`` (``("projected", (32, 4))``)."""
-    if tile is None:
-        return "verify_window(records,native-tile)"
-    kernel, (bv, warps) = tile
-    return f"compact_projected_verify(BV{bv}xW{warps})" if kernel == "projected" else f"verify_window(records,BV{bv}xW{warps})"
-
-
-def parse_tile(item: str):
-    """``BVxWARPS`` (verify_window at that tile) or ``pBVxWARPS`` (compact_projected_verify) -> candidate."""
-    kernel = "projected" if item.lower().startswith("p") else "window"
-    bv, warps = (int(v) for v in item.lower().lstrip("p").split("x"))
-    return kernel, (bv, warps)
-
-
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
     from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
     from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
 
     from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
-    from sglang_ssm_modes.ops.compact.projected_verify import compact_projected_verify
     from sglang_ssm_modes.ops.native import native_verify
 
     sd = DTYPES[dtype_name]
@@ -88,18 +71,16 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
         native_verify_only(r)
         native_accept(r)
 
-    # the verify: native's tile (None), or the fastest of ``tiles`` for this case, measured here
-    def verify_with(tile):
-        args = (x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool)
-        if tile is not None and tile[0] == "projected":
-            return lambda r: compact_projected_verify(*args, groups[r], rec, rec_idx, is_kda=is_kda, tile=tile[1])
-        return lambda r: compact_verify(*args, groups[r], rec, rec_idx, is_kda=is_kda,
-                                        tile=None if tile is None else tile[1])
-
-    tile_us = {t: time_graph(verify_with(t), rounds, repeats=5) for t in [None, *tiles]}
+    # the verify tile: native's (None) or the fastest of ``tiles`` for this case, measured here
+    tile_us = {t: time_graph(lambda r, t=t: compact_verify(
+        x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec, rec_idx,
+        is_kda=is_kda, tile=t), rounds, repeats=5) for t in [None, *tiles]}
     tile = min(tile_us, key=tile_us.get)
-    tile_name = tile_label(tile)
-    compact_verify_only = verify_with(tile)
+    tile_name = "native-tile" if tile is None else f"BV{tile[0]}xW{tile[1]}"
+
+    def compact_verify_only(r):
+        compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec,
+                       rec_idx, is_kda=is_kda, tile=tile)
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
@@ -131,8 +112,8 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
                          draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
                          frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
                          bytes_per_request=int(per_req), path={
-                             ("spec_round", "ours-compact"): f"{tile_name}+compact_commit",
-                             ("verify", "ours-compact"): tile_name,
+                             ("spec_round", "ours-compact"): f"verify_window(records,{tile_name})+compact_commit",
+                             ("verify", "ours-compact"): f"verify_window(records,{tile_name})",
                              ("commit", "ours-compact"): "compact_commit",
                              ("spec_round", "ours-native"): "verify_window(steps)+fused_mamba_state_scatter_with_mask",
                              ("verify", "ours-native"): "verify_window(steps)",
@@ -140,8 +121,8 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
                                  "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
                              ("verify", "sglang-0.5.14-native"): "fused_sigmoid_gating_delta_rule_update",
                          }.get((op, impl), "fused_mamba_state_scatter_with_mask"),
-                         verify_tile_us={tile_label(t): round(u, 2) for t, u in tile_us.items()}
-                         if impl == "ours-compact" else None,
+                         verify_tile_us={("native-tile" if t is None else f"BV{t[0]}xW{t[1]}"): round(u, 2)
+                                         for t, u in tile_us.items()} if impl == "ours-compact" else None,
                          mean_accepted=round(mean_accept, 2)))
     del pool, inter
     torch.cuda.empty_cache()
@@ -160,8 +141,8 @@ def write_report(result, out_dir):
              "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
              "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Parts: verify + accept/commit µs.",
              "",
-             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact | compact verify |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] == "ours-compact" and r["op"] == "spec_round"), key=key):
         n = nat[key(r)]
         nv, nc = part[("verify", False) + key(r)], part[("commit", False) + key(r)]
@@ -169,7 +150,7 @@ def write_report(result, out_dir):
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {n['median_us']:.1f} | "
                      f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {nv['median_us']:.1f} + "
                      f"{nc['median_us']:.1f} | {cv['median_us']:.1f} + {cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | "
-                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× | {cv['path']} |")
+                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
     with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}
@@ -189,22 +170,19 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    p.add_argument("--verify-tiles", nargs="*",
-                   default=["32x2", "16x1", "16x2", "8x1", "p16x1", "p16x2", "p32x2", "p32x4", "p64x4"],
-                   help="compact verify candidates tried beside native's tile (32x1): BVxWARPS runs verify_window at "
-                        "that tile, pBVxWARPS the projected verify; the fastest is used and reported")
+    p.add_argument("--verify-tiles", nargs="*", default=["32x2", "16x1", "16x2", "16x4", "8x1", "8x2", "64x4"],
+                   help="compact verify tiles BVxWARPS tried beside native's (32x1); the fastest is used and reported")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
         p.error("batches and draft tokens must be >= 1")
     try:
-        tiles = [parse_tile(t) for t in args.verify_tiles]
+        tiles = [tuple(int(v) for v in t.lower().split("x")) for t in args.verify_tiles]
     except ValueError:
-        p.error(f"--verify-tiles takes BVxWARPS or pBVxWARPS items such as 16x2 or p32x4, got {args.verify_tiles}")
-    if any(bv & (bv - 1) or warps & (warps - 1) or not 1 <= warps <= 8 or (kernel == "projected" and bv < 16)
-           for kernel, (bv, warps) in tiles):
-        p.error("--verify-tiles: BV and WARPS must be powers of two, WARPS 1..8, BV >= 16 for the projected verify")
+        p.error(f"--verify-tiles takes BVxWARPS items such as 16x2, got {args.verify_tiles}")
+    if any(len(t) != 2 or t[0] & (t[0] - 1) or t[1] & (t[1] - 1) or not 1 <= t[1] <= 8 for t in tiles):
+        p.error("--verify-tiles: BV and WARPS must be powers of two, WARPS 1..8")
     from tqdm import tqdm
 
     bw = copy_bandwidth_gbps()

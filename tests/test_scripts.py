@@ -26,8 +26,7 @@ def test_bench_compact_refuses_to_run_without_a_gpu():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
-@pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--verify-tiles", "p8x1"],
-                                 ["--verify-tiles", "p32x3"], ["--batches", "0"]])
+@pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--batches", "0"]])
 def test_bench_compact_validates_arguments(bad, monkeypatch):
     monkeypatch.setattr(bench_compact.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exc:
@@ -48,7 +47,6 @@ def test_bench_compact_report_from_rows(tmp_path):
     assert json.loads((tmp_path / "compact_h200.json").read_text())["rows"] == rows
     table = (tmp_path / "compact_h200.md").read_text()
     assert "| gdn | float32 | 4 | 64 | 100.0 | 50.0 | 2.00× | 70.0 + 30.0 | 30.0 + 20.0 |" in table
-    assert table.rstrip().endswith("| p |")  # the compact verify that ran
     assert (tmp_path / "compact_h200.png").stat().st_size > 0
 
 
