@@ -141,8 +141,8 @@ def write_report(result, out_dir):
              "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
              "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Parts: verify + accept/commit µs.",
              "",
-             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact | compact verify |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] == "ours-compact" and r["op"] == "spec_round"), key=key):
         n = nat[key(r)]
         nv, nc = part[("verify", False) + key(r)], part[("commit", False) + key(r)]
@@ -150,7 +150,7 @@ def write_report(result, out_dir):
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {n['median_us']:.1f} | "
                      f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {nv['median_us']:.1f} + "
                      f"{nc['median_us']:.1f} | {cv['median_us']:.1f} + {cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | "
-                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
+                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× | {cv['path']} |")
     with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     points = {}

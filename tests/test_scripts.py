@@ -47,6 +47,7 @@ def test_bench_compact_report_from_rows(tmp_path):
     assert json.loads((tmp_path / "compact_h200.json").read_text())["rows"] == rows
     table = (tmp_path / "compact_h200.md").read_text()
     assert "| gdn | float32 | 4 | 64 | 100.0 | 50.0 | 2.00× | 70.0 + 30.0 | 30.0 + 20.0 |" in table
+    assert table.rstrip().endswith("| p |")  # the compact verify that ran
     assert (tmp_path / "compact_h200.png").stat().st_size > 0
 
 
