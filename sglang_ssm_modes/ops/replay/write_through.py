@@ -29,6 +29,22 @@ from .verify import token_gate, window_cursor
 
 
 @triton.jit
+def token_inputs(A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
+                 stride_a, stride_q, stride_k, stride_v, stride_b, K: tl.constexpr, V: tl.constexpr,
+                 IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
+    """The inputs of the token at flat row ``row`` for value head ``i_hv`` (key head ``i_h``) and this program's
+    value columns ``o_v``: ``(q float32, raw k, raw v, g, beta)`` — q and k not yet normalised, g as
+    :func:`~.verify.token_gate`, beta as SGLang's decode (``ROUND_BETA``: its packed kernel's rounding)."""
+    b_q = tl.load(q + row * stride_q + i_h * K + o_k).to(tl.float32)
+    b_k_raw = tl.load(k + row * stride_k + i_h * K + o_k)
+    b_v_raw = tl.load(v + row * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
+    b_g = token_gate(A_log + i_hv, a + row * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K,
+                     IS_KDA)
+    b_beta = packed_beta(beta_gate(b + row * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
+    return b_q, b_k_raw, b_v_raw, b_g, b_beta
+
+
+@triton.jit
 def replay_write_through_kernel(
     A_log, a, dt_bias, q, k, v, b, o, h0_source, h0_indices,
     r_u, r_kn, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, r_tickets, rec_indices,
@@ -99,12 +115,9 @@ def replay_write_through_kernel(
         writes_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)
         for t in range(0, T):
             row = i_n * T + t
-            b_q = tl.load(q + row * stride_q + i_h * K + o_k).to(tl.float32)
-            b_k_raw = tl.load(k + row * stride_k + i_h * K + o_k)
-            b_v_raw = tl.load(v + row * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
-            b_g = token_gate(A_log + i_hv, a + row * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold,
-                             K, IS_KDA)
-            b_beta = packed_beta(beta_gate(b + row * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
+            b_q, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
+                A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
+                stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED, ROUND_BETA)
             b_k = l2normalize(b_k_raw.to(tl.float32))
             b_h, b_u = delta_rule_update_u(b_h, b_k, b_v_raw.to(tl.float32), b_g, b_beta, IS_KDA)
             b_o = tl.sum(b_h * (l2normalize(b_q) * scale)[:, None], 0)
@@ -116,15 +129,11 @@ def replay_write_through_kernel(
             store_key_record(r_kraw, r_g, r_beta, pos, i_h, i_hv, writes_k, valid & (i_v == 0), o_k, mask_k,
                              b_k_raw, b_g, b_beta, H, HV, K, IS_KDA)
     else:
-        b_q = tl.load(q + i_n * stride_q + i_h * K + o_k).to(tl.float32)
-        b_k = tl.load(k + i_n * stride_k + i_h * K + o_k).to(tl.float32)
-        b_v = tl.load(v + i_n * stride_v + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_g = token_gate(A_log + i_hv, a + i_n * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold,
-                         K, IS_KDA)
-        b_beta = packed_beta(beta_gate(b + i_n * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
-        b_q = l2normalize(b_q) * scale
-        b_h = delta_rule_update(b_h, l2normalize(b_k), b_v, b_g, b_beta, IS_KDA)
-        b_o = tl.sum(b_h * b_q[:, None], 0)
+        b_q, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
+            A_log, a, dt_bias, q, k, v, b, i_n, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
+            stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED, ROUND_BETA)
+        b_h = delta_rule_update(b_h, l2normalize(b_k_raw.to(tl.float32)), b_v_raw.to(tl.float32), b_g, b_beta, IS_KDA)
+        b_o = tl.sum(b_h * (l2normalize(b_q) * scale)[:, None], 0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         b_out = b_h.to(p_h0.dtype.element_ty)
         if V_MAJOR:
