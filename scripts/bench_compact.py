@@ -4,7 +4,9 @@ compact mode's, side by side in one run on one GPU.
 * native: GDN ``sglang-0.5.14-native`` — ``fused_sigmoid_gating_delta_rule_update`` writing D per-step
   states to ``intermediate_ssm``, then ``fused_mamba_state_scatter_with_mask``; KDA ``ours-native`` —
   our verify storing per-step states (SGLang 0.5.14 has no KDA verify), then the same scatter;
-* compact (``ours-compact``): output-only verify writing raw-input records, then the commit.
+* compact (``ours-compact``): output-only verify writing raw-input records, then the commit — with each
+  verify a server runs (``variant``: ``exact``, native's tiling; ``fast``, ``--ssm-compact-verify fast``);
+  ``--verify-tiles`` adds verify-only rows (``variant`` ``tile``) at other tilings.
 
 Timing: CUDA-graph replay of R rounds, each on its own group of pool slots (rotating, so the L2
 cache cannot hold the states), median over repeats, divided by R. Bytes: the minimum the round must
@@ -27,6 +29,21 @@ import torch
 
 from bench_common import (DTYPES, FAMILIES, TARGET_BYTES, K, V, copy_bandwidth_gbps, make_inputs, plot_speedups,
                           time_graph)
+
+
+NATIVE_PATHS = {"sglang-0.5.14-native": "fused_sigmoid_gating_delta_rule_update", "ours-native": "verify_window(steps)"}
+
+
+def served_verifies() -> dict:
+    """The compact verifies a server runs, by ``--ssm-compact-verify`` value: their tiles."""
+    from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
+
+    return {"exact": None, "fast": FAST_VERIFY_TILE}
+
+
+def verify_path(tile) -> str:
+    """The compact verify a row ran: ``verify_window(records,native-tile)`` or ``…,BV16xW1)``."""
+    return f"verify_window(records,{'native-tile' if tile is None else f'BV{tile[0]}xW{tile[1]}'})"
 
 
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
@@ -71,94 +88,100 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
         native_verify_only(r)
         native_accept(r)
 
-    # the verify tile: native's (None) or the fastest of ``tiles`` for this case, measured here
-    tile_us = {t: time_graph(lambda r, t=t: compact_verify(
-        x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec, rec_idx,
-        is_kda=is_kda, tile=t), rounds, repeats=5) for t in [None, *tiles]}
-    tile = min(tile_us, key=tile_us.get)
-    tile_name = "native-tile" if tile is None else f"BV{tile[0]}xW{tile[1]}"
-
-    def compact_verify_only(r):
-        compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r], rec,
-                       rec_idx, is_kda=is_kda, tile=tile)
+    def compact_verify_with(tile):
+        return lambda r: compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
+                                        groups[r], rec, rec_idx, is_kda=is_kda, tile=tile)
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
 
-    def compact(r):
-        compact_verify_only(r)
-        compact_commit_only(r)
+    def compact_round_with(tile):
+        verify = compact_verify_with(tile)
+        return lambda r: (verify(r), compact_commit_only(r))
 
     act_bytes = batch * d * (2 * hk * K + hv * V + hv * (K if is_kda else 1) + hv) * 2  # q,k,v,a,b in
     out_bytes = batch * d * hv * V * 2
     rec_bytes = batch * d * (hk * K * 2 + hv * V * 2 + hv * (K if is_kda else 1) * 4 + hv * 4)
     mean_accept = (last.float().mean().item() + 1)
-    rows = []
     native_impl = "ours-native" if is_kda else "sglang-0.5.14-native"
-    cases = [  # (op, impl, fn, states moved, other bytes, bytes per request)
-        ("spec_round", native_impl, native, 1 + d + 2, act_bytes + out_bytes, (1 + d) * state_bytes),
-        ("spec_round", "ours-compact", compact, 3, act_bytes + out_bytes + rec_bytes * (1 + mean_accept / d),
-         state_bytes + rec_bytes // batch),
-        ("verify", native_impl, native_verify_only, 1 + d, act_bytes + out_bytes, (1 + d) * state_bytes),
-        ("commit", native_impl, native_accept, 2, 0, (1 + d) * state_bytes),
-        ("verify", "ours-compact", compact_verify_only, 1, act_bytes + out_bytes + rec_bytes,
-         state_bytes + rec_bytes // batch),
-        ("commit", "ours-compact", compact_commit_only, 2, rec_bytes * mean_accept / d, state_bytes + rec_bytes // batch),
+    native_bytes, compact_bytes = (1 + d) * state_bytes, state_bytes + rec_bytes // batch
+    cases = [  # (op, impl, variant, path, fn, states moved, other bytes, bytes per request)
+        ("spec_round", native_impl, None, NATIVE_PATHS[native_impl] + "+fused_mamba_state_scatter_with_mask", native,
+         1 + d + 2, act_bytes + out_bytes, native_bytes),
+        ("verify", native_impl, None, NATIVE_PATHS[native_impl], native_verify_only, 1 + d, act_bytes + out_bytes,
+         native_bytes),
+        ("commit", native_impl, None, "fused_mamba_state_scatter_with_mask", native_accept, 2, 0, native_bytes),
+        ("commit", "ours-compact", None, "compact_commit", compact_commit_only, 2, rec_bytes * mean_accept / d,
+         compact_bytes),
     ]
-    for op, impl, fn, states, extra, per_req in cases:
+    for variant, tile in served_verifies().items():
+        path = verify_path(tile)
+        cases += [("spec_round", "ours-compact", variant, path + "+compact_commit", compact_round_with(tile), 3,
+                   act_bytes + out_bytes + rec_bytes * (1 + mean_accept / d), compact_bytes),
+                  ("verify", "ours-compact", variant, path, compact_verify_with(tile), 1,
+                   act_bytes + out_bytes + rec_bytes, compact_bytes)]
+    cases += [("verify", "ours-compact", "tile", verify_path(tile), compact_verify_with(tile), 1,
+               act_bytes + out_bytes + rec_bytes, compact_bytes) for tile in tiles]
+    rows = []
+    for op, impl, variant, path, fn, states, extra, per_req in cases:
         us = time_graph(fn, rounds)
         bytes_min = batch * states * state_bytes + extra
-        rows.append(dict(op=op, family=family, impl=impl, state_dtype=dtype_name, batch=batch,
+        rows.append(dict(op=op, family=family, impl=impl, variant=variant, state_dtype=dtype_name, batch=batch,
                          draft_tokens=d, median_us=round(us, 2), bytes_min=int(bytes_min),
                          frac_copy_bw=round(bytes_min / (us * 1e-6) / 1e9 / copy_bw, 3),
-                         bytes_per_request=int(per_req), path={
-                             ("spec_round", "ours-compact"): f"verify_window(records,{tile_name})+compact_commit",
-                             ("verify", "ours-compact"): f"verify_window(records,{tile_name})",
-                             ("commit", "ours-compact"): "compact_commit",
-                             ("spec_round", "ours-native"): "verify_window(steps)+fused_mamba_state_scatter_with_mask",
-                             ("verify", "ours-native"): "verify_window(steps)",
-                             ("spec_round", "sglang-0.5.14-native"):
-                                 "fused_sigmoid_gating_delta_rule_update+fused_mamba_state_scatter_with_mask",
-                             ("verify", "sglang-0.5.14-native"): "fused_sigmoid_gating_delta_rule_update",
-                         }.get((op, impl), "fused_mamba_state_scatter_with_mask"),
-                         verify_tile_us={("native-tile" if t is None else f"BV{t[0]}xW{t[1]}"): round(u, 2)
-                                         for t, u in tile_us.items()} if impl == "ours-compact" else None,
-                         mean_accepted=round(mean_accept, 2)))
+                         bytes_per_request=int(per_req), path=path, mean_accepted=round(mean_accept, 2)))
     del pool, inter
     torch.cuda.empty_cache()
     return rows
 
 
 def write_report(result, out_dir):
+    """``compact_h200.json``, a Markdown table of the round per served verify (and the verify of any extra tile)
+    and a PNG of the speedups, into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "compact_h200.json"), "w") as f:
         json.dump(result, f, indent=1)
     rows = result["rows"]
     key = lambda r: (r["family"], r["state_dtype"], r["draft_tokens"], r["batch"])
-    part = {(r["op"], r["impl"] == "ours-compact") + key(r): r for r in rows}
-    nat = {key(r): r for r in rows if r["impl"] != "ours-compact" and r["op"] == "spec_round"}
+    part = {(r["op"], r["impl"] == "ours-compact", r.get("variant")) + key(r): r for r in rows
+            if r.get("variant") != "tile"}
+    cases = sorted({key(r) for r in rows})
     lines = [f"# Compact vs native speculative round — {result['gpu']}, {result['date']}, commit {result['commit']}",
              "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
-             "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Parts: verify + accept/commit µs.",
-             "",
-             "| family | state | D | batch | native µs | compact µs | speedup | native parts | compact parts | native frac bw | compact frac bw | mem/req native→compact | compact verify |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["impl"] == "ours-compact" and r["op"] == "spec_round"), key=key):
-        n = nat[key(r)]
-        nv, nc = part[("verify", False) + key(r)], part[("commit", False) + key(r)]
-        cv, cc = part[("verify", True) + key(r)], part[("commit", True) + key(r)]
-        lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {n['median_us']:.1f} | "
-                     f"{r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | {nv['median_us']:.1f} + "
-                     f"{nc['median_us']:.1f} | {cv['median_us']:.1f} + {cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | "
-                     f"{r['frac_copy_bw']:.2f} | {r['bytes_per_request'] / n['bytes_per_request']:.2f}× | {cv['path']} |")
+             "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Compact as served: `exact` "
+             "(default; native's verify tiling, outputs native's bits) and `fast` (`--ssm-compact-verify fast`); the "
+             "committed state is native's bits in both. Parts: verify + accept/commit µs.", "",
+             "| family | state | D | batch | native µs | exact µs | exact | fast µs | fast | native parts | exact parts "
+             "| fast parts | native frac bw | exact frac bw | fast frac bw | mem/req native→compact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    points = {}
+    for c in cases:
+        n = part[("spec_round", False, None) + c]
+        nv, nc = part[("verify", False, None) + c], part[("commit", False, None) + c]
+        cc = part[("commit", True, None) + c]
+        cells, speedup = [], {}
+        for variant in ("exact", "fast"):
+            r, v = part[("spec_round", True, variant) + c], part[("verify", True, variant) + c]
+            speedup[variant] = n["median_us"] / r["median_us"]
+            cells.append((r, v))
+            label = f"{variant} {c[1]} D={c[2]}"
+            points.setdefault(c[0], {}).setdefault(label, []).append((c[3], speedup[variant]))
+        (ex, exv), (fa, fav) = cells
+        lines.append(f"| {c[0]} | {c[1]} | {c[2]} | {c[3]} | {n['median_us']:.1f} | {ex['median_us']:.1f} | "
+                     f"{speedup['exact']:.2f}× | {fa['median_us']:.1f} | {speedup['fast']:.2f}× | {nv['median_us']:.1f} + "
+                     f"{nc['median_us']:.1f} | {exv['median_us']:.1f} + {cc['median_us']:.1f} | {fav['median_us']:.1f} + "
+                     f"{cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | {ex['frac_copy_bw']:.2f} | {fa['frac_copy_bw']:.2f} | "
+                     f"{ex['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
+    swept = [r for r in rows if r.get("variant") == "tile"]
+    if swept:
+        lines += ["", "Other verify tiles (verify alone; against the exact verify of the same case):", "",
+                  "| family | state | D | batch | verify | µs | exact verify / this |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(swept, key=lambda r: (key(r), r["path"])):
+            exact = part[("verify", True, "exact") + key(r)]["median_us"]
+            lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {r['path']} | "
+                         f"{r['median_us']:.1f} | {exact / r['median_us']:.2f}× |")
     with open(os.path.join(out_dir, "compact_h200.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    points = {}
-    for r in rows:
-        if r["impl"] == "ours-compact" and r["op"] == "spec_round":
-            label = f"{r['state_dtype']} D={r['draft_tokens']}"
-            points.setdefault(r["family"], {}).setdefault(label, []).append(
-                (r["batch"], nat[key(r)]["median_us"] / r["median_us"]))
     plot_speedups(points, "spec round: native / compact", os.path.join(out_dir, "compact_h200.png"))
 
 
@@ -170,8 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
-    p.add_argument("--verify-tiles", nargs="*", default=["32x2", "16x1", "16x2", "16x4", "8x1", "8x2", "64x4"],
-                   help="compact verify tiles BVxWARPS tried beside native's (32x1); the fastest is used and reported")
+    p.add_argument("--verify-tiles", nargs="*", default=[],
+                   help="extra compact verify tiles BVxWARPS timed beside the served ones (exact: native's 32x1, fast: "
+                        "FAST_VERIFY_TILE), e.g. 32x2 16x2 8x1 64x4")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")

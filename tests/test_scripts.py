@@ -35,19 +35,26 @@ def test_bench_compact_validates_arguments(bad, monkeypatch):
 
 
 def test_bench_compact_report_from_rows(tmp_path):
-    rows = []
-    for op, us in (("spec_round", (100.0, 50.0)), ("verify", (70.0, 30.0)), ("commit", (30.0, 20.0))):
-        for impl, t in zip(("sglang-0.5.14-native", "ours-compact"), us):
-            rows.append(dict(op=op, family="gdn", impl=impl, state_dtype="float32", batch=64, draft_tokens=4,
-                             median_us=t, bytes_min=1, frac_copy_bw=0.5, bytes_per_request=100 if t > 60 else 20,
-                             path="p", mean_accepted=2.5))
+    """One case: native's round and parts, compact's round per served verify (exact, fast) with their verify and the
+    shared commit, and one extra tile's verify — each figure lands in its column."""
+    def row(op, impl, variant, us, path="p"):
+        return dict(op=op, family="gdn", impl=impl, variant=variant, state_dtype="float32", batch=64, draft_tokens=4,
+                    median_us=us, bytes_min=1, frac_copy_bw=0.5, bytes_per_request=100 if impl != "ours-compact" else 20,
+                    path=path, mean_accepted=2.5)
+    native = "sglang-0.5.14-native"
+    rows = [row("spec_round", native, None, 100.0), row("verify", native, None, 70.0),
+            row("commit", native, None, 30.0), row("commit", "ours-compact", None, 20.0),
+            row("spec_round", "ours-compact", "exact", 80.0), row("verify", "ours-compact", "exact", 60.0),
+            row("spec_round", "ours-compact", "fast", 50.0), row("verify", "ours-compact", "fast", 30.0),
+            row("verify", "ours-compact", "tile", 40.0, "verify_window(records,BV8xW1)")]
     result = dict(gpu="GPU", date="2026-12-02", commit="abc", copy_bw_gbps=4000.0, state_dtypes=["float32"],
                   draft_tokens=[4], rows=rows)
     bench_compact.write_report(result, str(tmp_path))
     assert json.loads((tmp_path / "compact_h200.json").read_text())["rows"] == rows
     table = (tmp_path / "compact_h200.md").read_text()
-    assert "| gdn | float32 | 4 | 64 | 100.0 | 50.0 | 2.00× | 70.0 + 30.0 | 30.0 + 20.0 |" in table
-    assert table.rstrip().endswith("| p |")  # the compact verify that ran
+    assert ("| gdn | float32 | 4 | 64 | 100.0 | 80.0 | 1.25× | 50.0 | 2.00× | 70.0 + 30.0 | 60.0 + 20.0 | 30.0 + 20.0 | "
+            "0.50 | 0.50 | 0.50 | 0.20× |") in table
+    assert "| gdn | float32 | 4 | 64 | verify_window(records,BV8xW1) | 40.0 | 1.50× |" in table
     assert (tmp_path / "compact_h200.png").stat().st_size > 0
 
 
