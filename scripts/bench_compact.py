@@ -41,9 +41,23 @@ def served_verifies() -> dict:
     return {"exact": None, "fast": FAST_VERIFY_TILE}
 
 
-def verify_path(tile) -> str:
-    """The compact verify a row ran: ``verify_window(records,native-tile)`` or ``…,BV16xW1)``."""
-    return f"verify_window(records,{'native-tile' if tile is None else f'BV{tile[0]}xW{tile[1]}'})"
+def verify_path(tile, prefetch: bool = True) -> str:
+    """The compact verify a row ran: ``verify_window(records,native-tile)`` or ``…,BV16xW1)``, with
+    ``,noprefetch`` where each token's inputs were loaded at the top of its own step."""
+    name = "native-tile" if tile is None else f"BV{tile[0]}xW{tile[1]}"
+    return f"verify_window(records,{name}{'' if prefetch else ',noprefetch'})"
+
+
+def parse_tile(item: str):
+    """``BVxWARPS`` or ``native`` (SGLang's tiling), optionally ``:noprefetch`` -> ``(tile or None, prefetch)``."""
+    spec, _, option = item.lower().partition(":")
+    if option not in ("", "noprefetch"):
+        raise ValueError(item)
+    tile = None if spec == "native" else tuple(int(v) for v in spec.split("x"))
+    if tile is not None and (len(tile) != 2 or tile[0] & (tile[0] - 1) or tile[1] & (tile[1] - 1)
+                             or not 1 <= tile[1] <= 8):
+        raise ValueError(item)
+    return tile, option != "noprefetch"
 
 
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
@@ -52,6 +66,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
 
     from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
     from sglang_ssm_modes.ops.native import native_verify
+    from sglang_ssm_modes.ops.verify_window import verify_window
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -88,9 +103,12 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
         native_verify_only(r)
         native_accept(r)
 
-    def compact_verify_with(tile):
-        return lambda r: compact_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
-                                        groups[r], rec, rec_idx, is_kda=is_kda, tile=tile)
+    def compact_verify_with(tile, prefetch=True):
+        args = (x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool)
+        if prefetch:  # as served
+            return lambda r: compact_verify(*args, groups[r], rec, rec_idx, is_kda=is_kda, tile=tile)
+        return lambda r: verify_window(*args, groups[r], is_kda=is_kda, records=rec, record_indices=rec_idx,
+                                       tile=tile, prefetch=False)
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
@@ -120,8 +138,8 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
                    act_bytes + out_bytes + rec_bytes * (1 + mean_accept / d), compact_bytes),
                   ("verify", "ours-compact", variant, path, compact_verify_with(tile), 1,
                    act_bytes + out_bytes + rec_bytes, compact_bytes)]
-    cases += [("verify", "ours-compact", "tile", verify_path(tile), compact_verify_with(tile), 1,
-               act_bytes + out_bytes + rec_bytes, compact_bytes) for tile in tiles]
+    cases += [("verify", "ours-compact", "tile", verify_path(tile, prefetch), compact_verify_with(tile, prefetch), 1,
+               act_bytes + out_bytes + rec_bytes, compact_bytes) for tile, prefetch in tiles]
     rows = []
     for op, impl, variant, path, fn, states, extra, per_req in cases:
         us = time_graph(fn, rounds)
@@ -194,19 +212,19 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--verify-tiles", nargs="*", default=[],
-                   help="extra compact verify tiles BVxWARPS timed beside the served ones (exact: native's 32x1, fast: "
-                        "FAST_VERIFY_TILE), e.g. 32x2 16x2 8x1 64x4")
+                   help="extra compact verify tilings timed beside the served ones (exact: native's 32x1, fast: "
+                        "FAST_VERIFY_TILE): BVxWARPS or native, each optionally :noprefetch (inputs loaded at the top "
+                        "of each token's step), e.g. 32x2 8x1 native:noprefetch 16x1:noprefetch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if any(b < 1 for b in args.batches) or any(d < 1 for d in args.draft_tokens):
         p.error("batches and draft tokens must be >= 1")
     try:
-        tiles = [tuple(int(v) for v in t.lower().split("x")) for t in args.verify_tiles]
+        tiles = [parse_tile(t) for t in args.verify_tiles]
     except ValueError:
-        p.error(f"--verify-tiles takes BVxWARPS items such as 16x2, got {args.verify_tiles}")
-    if any(len(t) != 2 or t[0] & (t[0] - 1) or t[1] & (t[1] - 1) or not 1 <= t[1] <= 8 for t in tiles):
-        p.error("--verify-tiles: BV and WARPS must be powers of two, WARPS 1..8")
+        p.error(f"--verify-tiles takes BVxWARPS (powers of two, WARPS 1..8) or native, optionally :noprefetch, "
+                f"got {args.verify_tiles}")
     from tqdm import tqdm
 
     bw = copy_bandwidth_gbps()

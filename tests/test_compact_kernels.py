@@ -12,7 +12,7 @@ from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, ran
                           to_device)
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
 from sglang_ssm_modes.ops.compact.commit import compact_commit_kernel
-from sglang_ssm_modes.ops.verify_window import verify_window_kernel
+from sglang_ssm_modes.ops.verify_window import verify_window, verify_window_kernel
 from sglang_ssm_modes.reference import compact_verify as reference_compact_verify
 
 def _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents=None):
@@ -203,3 +203,29 @@ def test_random_acceptance_cases_through_the_kernels_1000():
     bfloat16 states; accepted node -1..D-1; padding rows) through SGLang's native verify + scatter and
     compact's verify + commit: outputs and the whole pool bit for bit."""
     _acceptance_cases(1000)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
+def test_prefetching_token_inputs_changes_no_bit(family, hk, hv, tree):
+    """``verify_window(prefetch=False)`` loads each token's inputs at the top of its step instead of during the
+    previous one: outputs, records and stored per-step states are the same bits (kept to time the two)."""
+    n, d = 5, 4
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, 16, 32, torch.float32, seed=23)
+    parents = random_tree_parents(n, d, torch.Generator().manual_seed(24)).to(DEVICE) if tree else None
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    pool = pool.to(DEVICE)
+    idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    runs = []
+    for prefetch in (True, False):
+        rec = CompactRecordBuffers.allocate(n, d, hk, hv, 16, 32, family == "kda", torch.bfloat16, DEVICE)
+        steps = torch.zeros(n, d, hv, 32, 16, dtype=pool.dtype, device=DEVICE)
+        o = verify_window(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
+                          inp["v"], inp["b"], pool, state_idx.to(DEVICE), is_kda=family == "kda", records=rec,
+                          record_indices=idx, steps=steps, steps_indices=idx, retrieve_parent_token=parents,
+                          prefetch=prefetch)
+        runs.append((o, rec, steps))
+    (o1, r1, s1), (o2, r2, s2) = runs
+    assert torch.equal(o1, o2) and torch.equal(s1, s2) and (s1 != 0).any()
+    for name in ("k", "v", "g", "beta"):
+        assert torch.equal(getattr(r1, name), getattr(r2, name)), name

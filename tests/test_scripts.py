@@ -26,12 +26,20 @@ def test_bench_compact_refuses_to_run_without_a_gpu():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
-@pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--batches", "0"]])
+@pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--verify-tiles", "16x16"],
+                                 ["--verify-tiles", "16x1:fast"], ["--verify-tiles", "natives"], ["--batches", "0"]])
 def test_bench_compact_validates_arguments(bad, monkeypatch):
     monkeypatch.setattr(bench_compact.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exc:
         bench_compact.main(["--out", "/tmp/unused", *bad])
     assert exc.value.code == 2
+
+
+def test_bench_compact_tile_items():
+    assert bench_compact.parse_tile("16x1") == ((16, 1), True)
+    assert bench_compact.parse_tile("native:noprefetch") == (None, False)
+    assert bench_compact.verify_path(None, False) == "verify_window(records,native-tile,noprefetch)"
+    assert bench_compact.verify_path((16, 1)) == "verify_window(records,BV16xW1)"
 
 
 def test_bench_compact_report_from_rows(tmp_path):

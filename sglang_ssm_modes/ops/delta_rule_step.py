@@ -179,3 +179,31 @@ def gate_vector(p_A_log, p_a, p_dt_bias, p_b, mask_k, softplus_beta, softplus_th
     else:
         b_gv = tl.zeros([BK], dtype=tl.float32) + b_g
     return b_g, b_gv, b_beta
+
+
+@triton.jit
+def token_gate(p_A_log, p_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K: tl.constexpr,
+               IS_KDA: tl.constexpr):
+    """One token's log-decay ``g`` for value head ``i_hv`` from its row ``p_a`` of ``a``
+    (:func:`decay_gate`): KDA's at the K rows ``o_k``, GDN's scalar."""
+    if IS_KDA:
+        return decay_gate(p_A_log, p_a + i_hv * K + o_k, dt_bias + i_hv * K + o_k, o_k < K, softplus_beta,
+                          softplus_threshold, IS_KDA)
+    else:
+        return decay_gate(p_A_log, p_a + i_hv, dt_bias + i_hv, o_k < K, softplus_beta, softplus_threshold, IS_KDA)
+
+
+@triton.jit
+def token_inputs(A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
+                 stride_a, stride_q, stride_k, stride_v, stride_b, K: tl.constexpr, V: tl.constexpr,
+                 IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
+    """The inputs of the token at flat row ``row`` for value head ``i_hv`` (key head ``i_h``) and this program's
+    value columns ``o_v``: ``(q float32, raw k, raw v, g, beta)`` — q and k not yet normalised, g as
+    :func:`token_gate`, beta as SGLang's decode (``ROUND_BETA``: its packed kernel's rounding)."""
+    b_q = tl.load(q + row * stride_q + i_h * K + o_k).to(tl.float32)
+    b_k_raw = tl.load(k + row * stride_k + i_h * K + o_k)
+    b_v_raw = tl.load(v + row * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
+    b_g = token_gate(A_log + i_hv, a + row * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K,
+                     IS_KDA)
+    b_beta = packed_beta(beta_gate(b + row * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
+    return b_q, b_k_raw, b_v_raw, b_g, b_beta

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from typing import TYPE_CHECKING
 
-from .delta_rule_step import delta_rule_update, gate_and_beta, l2normalize, store_raw_record, tree_ancestors
+from .delta_rule_step import (delta_rule_update, gate_and_beta, l2normalize, store_raw_record, token_inputs,
+                              tree_ancestors)
 
 if TYPE_CHECKING:  # ops.compact imports this module: a runtime import would be circular
     from .compact.records import CompactRecordBuffers
@@ -35,7 +36,7 @@ def verify_window_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, D: tl.constexpr, NP2_D: tl.constexpr,
     IS_KDA: tl.constexpr, IS_VARLEN: tl.constexpr, IS_TREE: tl.constexpr,
-    BETA_ACTIVATED: tl.constexpr, WRITE_RECORDS: tl.constexpr, WRITE_STEPS: tl.constexpr,
+    BETA_ACTIVATED: tl.constexpr, WRITE_RECORDS: tl.constexpr, WRITE_STEPS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``; one program per (value block, request, value head).
 
@@ -54,6 +55,9 @@ def verify_window_kernel(
     verify. Tree: ``parents`` ``[N, T]`` (SGLang's ``retrieve_parent_token``) gives each node's
     parent; node t's output is computed from S0 along its path, rounding the tile to the state dtype
     after every step but the last — exactly the stored parent states native tree verify reloads.
+
+    ``PREFETCH``: each token's inputs (q, k, v, gate, beta) are loaded one step ahead, during the previous
+    token's step, instead of at the top of its own; the same arithmetic, the same bits.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -70,7 +74,6 @@ def verify_window_kernel(
     mask_v = o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
 
-    p_q = q + bos * stride_q + i_h * K + o_k
     p_k = k + bos * stride_k + i_h * K + o_k
     p_v = v + bos * stride_v + i_hv * V + o_v
     p_b = b + bos * stride_b + i_hv
@@ -99,11 +102,24 @@ def verify_window_kernel(
         s_idx = tl.load(steps_indices + i_n).to(tl.int64)
     writes_k = (i_v == 0) & (i_hv % (HV // H) == 0)
     o_d = tl.arange(0, NP2_D)
+    # with PREFETCH token t's inputs are loaded (and gated) during token t - 1's step: the recurrence is
+    # sequential, its inputs are not (the last prefetch re-reads token T - 1, in bounds)
+    if PREFETCH:
+        n_q, n_k, n_v, n_g, n_beta = token_inputs(
+            A_log, a, dt_bias, q, k, v, b, bos, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
+            stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED, False)
     for t in range(0, T):
-        b_k_raw = tl.load(p_k + t * stride_k, mask=mask_k, other=0)
-        b_v_raw = tl.load(p_v + t * stride_v, mask=mask_v, other=0)
-        b_g, b_beta = gate_and_beta(p_A_log, p_a + t * stride_a, p_dt_bias, p_b + t * stride_b, mask_k,
-                                    softplus_beta, softplus_threshold, IS_KDA, BETA_ACTIVATED)
+        if PREFETCH:
+            b_q_raw, b_k_raw, b_v_raw, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+            n_q, n_k, n_v, n_g, n_beta = token_inputs(
+                A_log, a, dt_bias, q, k, v, b, bos + tl.minimum(t + 1, T - 1), i_h, i_hv, o_k, o_v, mask_v,
+                softplus_beta, softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA,
+                BETA_ACTIVATED, False)
+        else:
+            b_q_raw, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
+                A_log, a, dt_bias, q, k, v, b, bos + t, i_h, i_hv, o_k, o_v, mask_v, softplus_beta,
+                softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED,
+                False)
         if WRITE_RECORDS:  # constexpr first: without buffers the branch must not be compiled
             if records:
                 store_raw_record(rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, i_v == 0, writes_k, o_k, o_v,
@@ -128,7 +144,7 @@ def verify_window_kernel(
             if s_idx >= 0:
                 p_s = steps + ((s_idx * D + t) * HV + i_hv) * K * V + o_v[None, :] * K + o_k[:, None]
                 tl.store(p_s, b_h.to(p_s.dtype.element_ty), mask=mask_h)
-        b_q = l2normalize(tl.load(p_q + t * stride_q, mask=mask_k, other=0).to(tl.float32)) * scale
+        b_q = l2normalize(b_q_raw) * scale
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
@@ -140,7 +156,8 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   steps_indices: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                   retrieve_parent_token: torch.Tensor | None = None, beta_activated: bool = False,
                   scale: float | None = None, softplus_beta: float = 1.0,
-                  softplus_threshold: float = 20.0, tile: tuple[int, int] | None = None) -> torch.Tensor:
+                  softplus_threshold: float = 20.0, tile: tuple[int, int] | None = None,
+                  prefetch: bool = True) -> torch.Tensor:
     """Verify a window; arguments as SGLang's ``fused_sigmoid_gating_delta_rule_update``
     (``q, k`` ``[1, T_all, HK, K]``, ``v`` ``[1, T_all, HV, V]``, ``a``, ``b``, the state pool
     ``[slots, HV, V, K]`` and per-request ``state_indices``). With ``cu_seqlens`` None every request
@@ -152,7 +169,8 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     ``tile`` = ``(BV, num_warps)`` overrides the native tiling (BV 32, one warp) when no states are
     stored: the records are exact copies of the inputs whatever the tiling, the outputs then differ
     from native's in the last bits (another reduction order). Stored states always use the native
-    tiling, which their bit-identity needs.
+    tiling, which their bit-identity needs. ``prefetch``: load each token's inputs during the previous token's
+    step (the kernel's ``PREFETCH``; False loads them at the top of their own step, to time the difference).
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -187,5 +205,6 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, V=vdim, BK=BK, BV=BV, D=d, NP2_D=triton.next_power_of_2(d),
         IS_KDA=is_kda, IS_VARLEN=cu_seqlens is not None, IS_TREE=tree, BETA_ACTIVATED=beta_activated,
-        WRITE_RECORDS=rec is not None, WRITE_STEPS=steps is not None, num_warps=num_warps, num_stages=3)
+        WRITE_RECORDS=rec is not None, WRITE_STEPS=steps is not None, PREFETCH=prefetch, num_warps=num_warps,
+        num_stages=3)
     return o

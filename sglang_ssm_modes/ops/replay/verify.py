@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
-                               store_key_record)
+from ..delta_rule_step import (apply_records, beta_gate, gate_vector, l2normalize, packed_beta,
+                               store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
 
 
@@ -479,18 +479,6 @@ def replay_step_kernel(
         b_uw = output_token(t, live, s0k, s0q, tl.sum(tl.where(row, b_chk, 0), 0), tl.sum(tl.where(row, b_chq, 0), 0),
                             tl.sum(tl.where(row, b_cwk, 0), 0), tl.sum(tl.where(row, b_cwq, 0), 0), b_kq, b_beta,
                             b_uh, b_uw, v, o, r_u, r_vraw, bos, i_hv, pos0, valid, stride_v, o_v, o_t, mask_v, HV, V)
-
-
-@triton.jit
-def token_gate(p_A_log, p_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K: tl.constexpr,
-               IS_KDA: tl.constexpr):
-    """One token's log-decay ``g`` for value head ``i_hv`` from its row ``p_a`` of ``a``
-    (:func:`~..delta_rule_step.decay_gate`): KDA's at the K rows ``o_k``, GDN's scalar."""
-    if IS_KDA:
-        return decay_gate(p_A_log, p_a + i_hv * K + o_k, dt_bias + i_hv * K + o_k, o_k < K, softplus_beta,
-                          softplus_threshold, IS_KDA)
-    else:
-        return decay_gate(p_A_log, p_a + i_hv, dt_bias + i_hv, o_k < K, softplus_beta, softplus_threshold, IS_KDA)
 
 
 @triton.jit

@@ -22,26 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import (apply_records, beta_gate, delta_rule_update, delta_rule_update_u, l2normalize,
-                               packed_beta, store_key_record)
+from ..delta_rule_step import (apply_records, delta_rule_update, delta_rule_update_u, l2normalize, store_key_record,
+                               token_inputs)
 from .ring import ReplayRing, flag_nonfinite
-from .verify import token_gate, window_cursor
-
-
-@triton.jit
-def token_inputs(A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
-                 stride_a, stride_q, stride_k, stride_v, stride_b, K: tl.constexpr, V: tl.constexpr,
-                 IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
-    """The inputs of the token at flat row ``row`` for value head ``i_hv`` (key head ``i_h``) and this program's
-    value columns ``o_v``: ``(q float32, raw k, raw v, g, beta)`` — q and k not yet normalised, g as
-    :func:`~.verify.token_gate`, beta as SGLang's decode (``ROUND_BETA``: its packed kernel's rounding)."""
-    b_q = tl.load(q + row * stride_q + i_h * K + o_k).to(tl.float32)
-    b_k_raw = tl.load(k + row * stride_k + i_h * K + o_k)
-    b_v_raw = tl.load(v + row * stride_v + i_hv * V + o_v, mask=mask_v, other=0)
-    b_g = token_gate(A_log + i_hv, a + row * stride_a, dt_bias, i_hv, o_k, softplus_beta, softplus_threshold, K,
-                     IS_KDA)
-    b_beta = packed_beta(beta_gate(b + row * stride_b + i_hv, BETA_ACTIVATED), b, ROUND_BETA)
-    return b_q, b_k_raw, b_v_raw, b_g, b_beta
+from .verify import window_cursor
 
 
 @triton.jit
