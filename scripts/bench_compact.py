@@ -41,23 +41,23 @@ def served_verifies() -> dict:
     return {"exact": None, "fast": FAST_VERIFY_TILE}
 
 
-def verify_path(tile, prefetch: bool = True) -> str:
+def verify_path(tile, prefetch: bool = False) -> str:
     """The compact verify a row ran: ``verify_window(records,native-tile)`` or ``…,BV16xW1)``, with
-    ``,noprefetch`` where each token's inputs were loaded at the top of its own step."""
+    ``,prefetch`` where each token's inputs were loaded during the previous token's step."""
     name = "native-tile" if tile is None else f"BV{tile[0]}xW{tile[1]}"
-    return f"verify_window(records,{name}{'' if prefetch else ',noprefetch'})"
+    return f"verify_window(records,{name}{',prefetch' if prefetch else ''})"
 
 
 def parse_tile(item: str):
-    """``BVxWARPS`` or ``native`` (SGLang's tiling), optionally ``:noprefetch`` -> ``(tile or None, prefetch)``."""
+    """``BVxWARPS`` or ``native`` (SGLang's tiling), optionally ``:prefetch`` -> ``(tile or None, prefetch)``."""
     spec, _, option = item.lower().partition(":")
-    if option not in ("", "noprefetch"):
+    if option not in ("", "prefetch"):
         raise ValueError(item)
     tile = None if spec == "native" else tuple(int(v) for v in spec.split("x"))
     if tile is not None and (len(tile) != 2 or tile[0] & (tile[0] - 1) or tile[1] & (tile[1] - 1)
                              or not 1 <= tile[1] <= 8):
         raise ValueError(item)
-    return tile, option != "noprefetch"
+    return tile, option == "prefetch"
 
 
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
@@ -103,12 +103,12 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
         native_verify_only(r)
         native_accept(r)
 
-    def compact_verify_with(tile, prefetch=True):
+    def compact_verify_with(tile, prefetch=False):
         args = (x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool)
-        if prefetch:  # as served
+        if not prefetch:  # as served
             return lambda r: compact_verify(*args, groups[r], rec, rec_idx, is_kda=is_kda, tile=tile)
         return lambda r: verify_window(*args, groups[r], is_kda=is_kda, records=rec, record_indices=rec_idx,
-                                       tile=tile, prefetch=False)
+                                       tile=tile, prefetch=True)
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--verify-tiles", nargs="*", default=[],
                    help="extra compact verify tilings timed beside the served ones (exact: native's 32x1, fast: "
-                        "FAST_VERIFY_TILE): BVxWARPS or native, each optionally :noprefetch (inputs loaded at the top "
-                        "of each token's step), e.g. 32x2 8x1 native:noprefetch 16x1:noprefetch")
+                        "FAST_VERIFY_TILE): BVxWARPS or native, each optionally :prefetch (each token's inputs loaded "
+                        "during the previous token's step), e.g. 32x2 8x1 native:prefetch 16x1:prefetch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     try:
         tiles = [parse_tile(t) for t in args.verify_tiles]
     except ValueError:
-        p.error(f"--verify-tiles takes BVxWARPS (powers of two, WARPS 1..8) or native, optionally :noprefetch, "
+        p.error(f"--verify-tiles takes BVxWARPS (powers of two, WARPS 1..8) or native, optionally :prefetch, "
                 f"got {args.verify_tiles}")
     from tqdm import tqdm
 

@@ -124,9 +124,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                 replay_write_through_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
                                             groups[r], ring, groups[r], is_kda=is_kda, **kw)
                 advance(ring, groups[r], accepted, window=d)
-            elif through and kw:  # a write-through tiled otherwise than served
+            elif through and kw:  # a write-through tiled otherwise than served (a decode has no draft to prefetch)
                 replay_write_through(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
-                                     groups[r], ring, groups[r], is_kda=is_kda, round_beta=round_beta, **kw)
+                                     groups[r], ring, groups[r], is_kda=is_kda, round_beta=round_beta,
+                                     **{key: value for key, value in kw.items() if key != "prefetch"})
             elif d == 1:  # the served plain decode (cursor settled inside)
                 replay_decode(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
                               ring, groups[r], is_kda=is_kda, round_beta=round_beta, write_through=through,
@@ -260,7 +261,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     return rows
 
 
-WRITE_THROUGH_TILE = ("block_v", "num_warps", "num_stages", "v_major")
+WRITE_THROUGH_TILE = ("block_v", "num_warps", "num_stages", "v_major", "prefetch")
 """The keywords of ``ops.replay.write_through.replay_write_through`` (and ``_verify``) a ``:through`` variant may
 set."""
 
@@ -294,19 +295,22 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["write_through"] = opt == "through"
             elif opt in ("vk", "kv"):
                 kw["v_major"] = opt == "vk"
+            elif opt == "prefetch":
+                kw["prefetch"] = True
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
-                             ":vk / :kv (a write-through's tile held [BV, K] or [K, BV])")
+                             ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch (a write-through "
+                             "verify loading each draft token's inputs during the previous token's step)")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
             if others:
                 parser.error(f"--variants {value}: {others} tile the output-only path; a write-through takes a "
                              "tiling (BVxW), :sN and :vk / :kv (e.g. served:through:vk, 64x2:through)")
-        elif "v_major" in kw:
-            parser.error(f"--variants {value}: :vk / :kv tile a write-through: add :through")
+        elif "v_major" in kw or "prefetch" in kw:
+            parser.error(f"--variants {value}: :vk / :kv / :prefetch apply to a write-through: add :through")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))

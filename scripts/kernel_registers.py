@@ -8,11 +8,13 @@ not across machines).
 
     python scripts/kernel_registers.py [--tilings narrow wide 64x1:k32:s4] [--histories 16 64]
         [--families gdn kda] [--state-dtypes float32 bfloat16] [--fold fused separate] [--draft-tokens 4]
-        [--one-launch] [--write-through]
+        [--one-launch] [--write-through] [--prefetch]
+    python scripts/kernel_registers.py --verify-window [BVxWARPS ...] [--families ...] [--prefetch]
 
 Prints a Markdown table (``family, state, L, fold, output tiling``, then registers / spill bytes of the
 window kernel, of the output kernel and, with ``--one-launch``, of the one-launch kernel at that tiling; with
-``--write-through``, of the write-through kernel at its served tiling).
+``--write-through``, of the write-through kernel at its served tiling); ``--verify-window``: compact's verify
+instead (chain and tree per tile). ``--prefetch``: the verifies loading each token's inputs one step ahead.
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     return out
 
 
-def write_through_resources(family: str, state_dtype: str, history: int, draft: bool) -> tuple[int, int]:
+def write_through_resources(family: str, state_dtype: str, history: int, draft: bool,
+                            prefetch: bool = False) -> tuple[int, int]:
     """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
     a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
-    activated)."""
+    activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (not served)."""
     from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
                                                            replay_write_through_kernel)
 
@@ -110,8 +113,28 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
                     rec_indices="i32")
     consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BV=min(WRITE_THROUGH_BLOCK_V, V),
                   L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not (is_kda or draft),
-                  V_MAJOR=WRITE_THROUGH_V_MAJOR, DRAFT=draft)
+                  V_MAJOR=WRITE_THROUGH_V_MAJOR, DRAFT=draft, PREFETCH=prefetch)
     return _ptxas_resources(replay_write_through_kernel, pointers, consts, num_warps=1, num_stages=3)
+
+
+def verify_window_resources(family: str, state_dtype: str, draft_tokens: int, tree: bool, tile: tuple[int, int],
+                            prefetch: bool) -> tuple[int, int]:
+    """``(registers per thread, spill-store bytes)`` of compact's verify (``ops.verify_window``, writing records;
+    native KDA's stores steps instead, same loop) at ``tile`` = ``(block_v, num_warps)``, a chain or a tree,
+    loading each token's inputs at the top of its step or (``prefetch``) one step ahead."""
+    import triton
+
+    from sglang_ssm_modes.ops.verify_window import verify_window_kernel
+
+    is_kda = family == "kda"
+    pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
+                    h0_source=STATE[state_dtype], h0_indices="i32", cu_seqlens="i32", rec_k="bf16", rec_v="bf16",
+                    rec_g="fp32", rec_beta="fp32", rec_indices="i32", steps=STATE[state_dtype], steps_indices="i32",
+                    parents="i32")
+    consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BK=K, BV=tile[0], D=draft_tokens,
+                  NP2_D=triton.next_power_of_2(draft_tokens), IS_KDA=is_kda, IS_VARLEN=False, IS_TREE=tree,
+                  BETA_ACTIVATED=is_kda, WRITE_RECORDS=True, WRITE_STEPS=False, PREFETCH=prefetch)
+    return _ptxas_resources(verify_window_kernel, pointers, consts, num_warps=tile[1], num_stages=3)
 
 
 def parse_output_tilings(parser, values: list[str]) -> list[tuple[str, tuple]]:
@@ -154,12 +177,27 @@ def main(argv=None) -> int:
     p.add_argument("--write-through", action="store_true",
                    help="also the write-through kernel (ops.replay.write_through): plain decode at --draft-tokens 1, "
                         "verify above")
+    p.add_argument("--prefetch", action="store_true",
+                   help="the verifies loading each token's inputs one step ahead (not served): the write-through verify "
+                        "and, with --verify-window, compact's")
+    p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
+                   help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
+                        "the fast 16x1), chain and tree")
     args = p.parse_args(argv)
     tilings = parse_output_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
         p.error("each history must be one of 8, 16, 32, 64")
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
+    if args.verify_window is not None:
+        tiles = parse_tilings(p, args.verify_window or ["32x1", "16x1"])
+        print("| family | state | D | tile | chain regs / spills | tree regs / spills |\n|---|---|---|---|---|---|")
+        for fam, dt, (bv, warps) in itertools.product(args.families, args.state_dtypes, tiles):
+            res = [verify_window_resources(fam, dt, args.draft_tokens, tree, (bv, warps), args.prefetch)
+                   for tree in (False, True)]
+            print(f"| {fam} | {dt} | {args.draft_tokens} | {bv}x{warps}{' prefetch' if args.prefetch else ''} | "
+                  + " | ".join(f"{r} / {sp}" for r, sp in res) + " |", flush=True)
+        return 0
     kernels = ["window", "output"] + ["one-launch"] * args.one_launch + ["write-through"] * args.write_through
     print("| family | state | L | fold | output tiling | " + " | ".join(f"{k} kernel regs / spills" for k in kernels)
           + " |\n|---|---|---|---|---|" + "---|" * len(kernels))
@@ -167,7 +205,7 @@ def main(argv=None) -> int:
                                                               args.fold, tilings):
         res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch)
         if args.write_through:
-            res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1)
+            res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1, args.prefetch)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",
               flush=True)
     return 0

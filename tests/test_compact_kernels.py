@@ -208,8 +208,8 @@ def test_random_acceptance_cases_through_the_kernels_1000():
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_prefetching_token_inputs_changes_no_bit(family, hk, hv, tree):
-    """``verify_window(prefetch=False)`` loads each token's inputs at the top of its step instead of during the
-    previous one: outputs, records and stored per-step states are the same bits (kept to time the two)."""
+    """``verify_window(prefetch=True)`` loads each token's inputs during the previous token's step instead of at
+    the top of its own (served): outputs, records and stored per-step states are the same bits."""
     n, d = 5, 4
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, 16, 32, torch.float32, seed=23)
     parents = random_tree_parents(n, d, torch.Generator().manual_seed(24)).to(DEVICE) if tree else None

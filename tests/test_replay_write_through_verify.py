@@ -208,3 +208,35 @@ def test_request_counts_1_to_511_compile_the_write_through_verify_once():
                                     inp["b"][:, :n * d], pool, idx[:n], ring, idx[:n], is_kda=False)
     torch.cuda.synchronize()
     assert compiled_variants(replay_write_through_kernel) - before == 1
+
+
+@pytest.mark.parametrize("family,hk,hv,kdim,vdim", CASES[:2])
+def test_prefetching_draft_inputs_changes_no_bit(family, hk, hv, kdim, vdim):
+    """``prefetch=True`` loads each draft token's inputs one step ahead (the first while the fold runs) instead of
+    at the top of its step (served): over rounds that fold accepted histories, outputs, checkpoints and every ring
+    word are the same bits."""
+    n, d, L = 5, 3, 4
+    kda = family == "kda"
+    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=77)
+    gen = torch.Generator().manual_seed(78)
+    pools = [pool.to(DEVICE), pool.to(DEVICE).clone()]
+    rings = [ReplayRing.allocate(n, L, hk, hv, kdim, vdim, kda, torch.bfloat16, DEVICE) for _ in range(2)]
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    rec_idx[state_idx.to(DEVICE) < 0] = -1
+    folds = 0
+    for _ in range(3):
+        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+        inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+        accepted = torch.randint(1, d + 1, (n,), generator=gen).to(torch.int32).to(DEVICE)
+        outs = []
+        for prefetch, p, ring in zip((True, False), pools, rings):
+            outs.append(replay_write_through_verify(
+                params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"], inp["b"],
+                p, state_idx.to(DEVICE), ring, rec_idx, is_kda=kda, prefetch=prefetch))
+            advance(ring, rec_idx, accepted, window=d)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+        snaps = [ring_snapshot(ring) for ring in rings]
+        for name in snaps[0]:
+            assert torch.equal(snaps[0][name], snaps[1][name]), name
+        folds = int(rings[0].folds.sum())
+    assert folds >= 2 * (n - 1), "the later rounds folded the accepted records"

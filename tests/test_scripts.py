@@ -27,7 +27,7 @@ def test_bench_compact_refuses_to_run_without_a_gpu():
 
 
 @pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--verify-tiles", "16x16"],
-                                 ["--verify-tiles", "16x1:fast"], ["--verify-tiles", "natives"], ["--batches", "0"]])
+                                 ["--verify-tiles", "16x1:noprefetch"], ["--verify-tiles", "natives"], ["--batches", "0"]])
 def test_bench_compact_validates_arguments(bad, monkeypatch):
     monkeypatch.setattr(bench_compact.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exc:
@@ -36,9 +36,9 @@ def test_bench_compact_validates_arguments(bad, monkeypatch):
 
 
 def test_bench_compact_tile_items():
-    assert bench_compact.parse_tile("16x1") == ((16, 1), True)
-    assert bench_compact.parse_tile("native:noprefetch") == (None, False)
-    assert bench_compact.verify_path(None, False) == "verify_window(records,native-tile,noprefetch)"
+    assert bench_compact.parse_tile("16x1") == ((16, 1), False)
+    assert bench_compact.parse_tile("native:prefetch") == (None, True)
+    assert bench_compact.verify_path(None, True) == "verify_window(records,native-tile,prefetch)"
     assert bench_compact.verify_path((16, 1)) == "verify_window(records,BV16xW1)"
 
 
@@ -107,6 +107,8 @@ def test_bench_replay_variants_name_the_launch_options():
     assert bench_replay.parse_variants(p, ["served:through:vk", "64x2:through:kv:s2"]) == [
         ("served:through:vk", dict(write_through=True, v_major=True)),
         ("64x2:through:kv:s2", dict(block_v=64, num_warps=2, write_through=True, v_major=False, num_stages=2))]
+    assert bench_replay.parse_variants(p, ["served:through:prefetch"]) == [
+        ("served:through:prefetch", dict(write_through=True, prefetch=True))]
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():
@@ -217,6 +219,20 @@ def test_kernel_registers_compiles_the_verify_kernels_for_sm90_on_any_machine():
     assert 16 <= regs <= 255 and spills == 0
 
 
+def test_kernel_registers_compiles_the_prefetching_verifies_for_sm90():
+    """The verifies' one-step-ahead input loads (not served) compile for sm_90a — compact's verify, chain and tree,
+    and the write-through verify (the CPU interpreter runs code the compiler refuses, e.g. a name bound in only
+    one branch of a condition that is not a constexpr)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--verify-window", "16x1", "--prefetch", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("| gdn | float32 | 4 | 16x1 prefetch | ")
+    proc = _run(sys.executable, "scripts/kernel_registers.py", "--tilings", "narrow", "--write-through", "--prefetch",
+                env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("| gdn | float32 | 16 | fused | narrow | ")
+
+
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
                                  ["--tilings", "medium"], ["--histories", "12"],
                                  ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"]])
@@ -234,7 +250,7 @@ GPU_SCRIPT_BAD_ARGUMENTS = [
         ["--variants", "24x4"], ["--variants", "32"], ["--variants", "32x3"], ["--variants", "16x1:w3"],
         ["--variants", "16x1:x"], ["--variants", "8x1:dot"], ["--variants", "16x1:k24"], ["--variants", "served:s9"],
         ["--variants", "served:through:inorder"], ["--variants", "served:through:k32"], ["--variants", "served:vk"],
-        ["--variants", "16x1:nothrough:kv"])),
+        ["--variants", "16x1:nothrough:kv"], ["--variants", "served:prefetch"])),
     *(("replay_drift", bad) for bad in (["--tokens", "0"], ["--history", "12"], ["--families", "mamba"])),
     *(("bench_commit", bad) for bad in (["--layers", "0"], ["--iters", "0"], ["--draft-tokens", "1"],
                                         ["--batches", "0"], ["--history", "12"], ["--track", "sometimes"],

@@ -57,7 +57,7 @@ def verify_window_kernel(
     after every step but the last — exactly the stored parent states native tree verify reloads.
 
     ``PREFETCH``: each token's inputs (q, k, v, gate, beta) are loaded one step ahead, during the previous
-    token's step, instead of at the top of its own; the same arithmetic, the same bits.
+    token's step, instead of at the top of its own (served); the same arithmetic, the same bits.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -74,6 +74,7 @@ def verify_window_kernel(
     mask_v = o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
 
+    p_q = q + bos * stride_q + i_h * K + o_k
     p_k = k + bos * stride_k + i_h * K + o_k
     p_v = v + bos * stride_v + i_hv * V + o_v
     p_b = b + bos * stride_b + i_hv
@@ -102,8 +103,8 @@ def verify_window_kernel(
         s_idx = tl.load(steps_indices + i_n).to(tl.int64)
     writes_k = (i_v == 0) & (i_hv % (HV // H) == 0)
     o_d = tl.arange(0, NP2_D)
-    # with PREFETCH token t's inputs are loaded (and gated) during token t - 1's step: the recurrence is
-    # sequential, its inputs are not (the last prefetch re-reads token T - 1, in bounds)
+    # with PREFETCH token t's inputs are loaded (and gated) during token t - 1's step — the recurrence is
+    # sequential, its inputs are not; the last prefetch re-reads token T - 1, in bounds
     if PREFETCH:
         n_q, n_k, n_v, n_g, n_beta = token_inputs(
             A_log, a, dt_bias, q, k, v, b, bos, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
@@ -115,11 +116,11 @@ def verify_window_kernel(
                 A_log, a, dt_bias, q, k, v, b, bos + tl.minimum(t + 1, T - 1), i_h, i_hv, o_k, o_v, mask_v,
                 softplus_beta, softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA,
                 BETA_ACTIVATED, False)
-        else:
-            b_q_raw, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
-                A_log, a, dt_bias, q, k, v, b, bos + t, i_h, i_hv, o_k, o_v, mask_v, softplus_beta,
-                softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED,
-                False)
+        else:  # as served: q is loaded after the step (not held live through it)
+            b_k_raw = tl.load(p_k + t * stride_k, mask=mask_k, other=0)
+            b_v_raw = tl.load(p_v + t * stride_v, mask=mask_v, other=0)
+            b_g, b_beta = gate_and_beta(p_A_log, p_a + t * stride_a, p_dt_bias, p_b + t * stride_b, mask_k,
+                                        softplus_beta, softplus_threshold, IS_KDA, BETA_ACTIVATED)
         if WRITE_RECORDS:  # constexpr first: without buffers the branch must not be compiled
             if records:
                 store_raw_record(rec_k, rec_v, rec_g, rec_beta, r * D + t, i_h, i_hv, i_v == 0, writes_k, o_k, o_v,
@@ -144,6 +145,8 @@ def verify_window_kernel(
             if s_idx >= 0:
                 p_s = steps + ((s_idx * D + t) * HV + i_hv) * K * V + o_v[None, :] * K + o_k[:, None]
                 tl.store(p_s, b_h.to(p_s.dtype.element_ty), mask=mask_h)
+        if not PREFETCH:
+            b_q_raw = tl.load(p_q + t * stride_q, mask=mask_k, other=0).to(tl.float32)
         b_q = l2normalize(b_q_raw) * scale
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(p_o + t * HV * V, b_o.to(p_o.dtype.element_ty), mask=mask_v)
@@ -157,7 +160,7 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   retrieve_parent_token: torch.Tensor | None = None, beta_activated: bool = False,
                   scale: float | None = None, softplus_beta: float = 1.0,
                   softplus_threshold: float = 20.0, tile: tuple[int, int] | None = None,
-                  prefetch: bool = True) -> torch.Tensor:
+                  prefetch: bool = False) -> torch.Tensor:
     """Verify a window; arguments as SGLang's ``fused_sigmoid_gating_delta_rule_update``
     (``q, k`` ``[1, T_all, HK, K]``, ``v`` ``[1, T_all, HV, V]``, ``a``, ``b``, the state pool
     ``[slots, HV, V, K]`` and per-request ``state_indices``). With ``cu_seqlens`` None every request
@@ -170,7 +173,10 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     stored: the records are exact copies of the inputs whatever the tiling, the outputs then differ
     from native's in the last bits (another reduction order). Stored states always use the native
     tiling, which their bit-identity needs. ``prefetch``: load each token's inputs during the previous token's
-    step (the kernel's ``PREFETCH``; False loads them at the top of their own step, to time the difference).
+    step (the kernel's ``PREFETCH``) instead of at the top of its own — the same bits; not served until timed:
+    compiled for sm_90a it holds the next token's inputs live through a step (GDN chain, 1 warp: 211 registers a
+    thread at BV 16 against 127, 255 at BV 32 against 168), fewer warps a multiprocessor against less latency
+    per step.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]

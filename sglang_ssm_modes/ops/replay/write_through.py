@@ -35,7 +35,7 @@ def replay_write_through_kernel(
     softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, L: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, V_MAJOR: tl.constexpr,
-    DRAFT: tl.constexpr,
+    DRAFT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, one program per ``BV`` value columns of a request's value head, as
     SGLang's decode: its tile loaded and stored as ``[BV, K]``, K the fast axis, as SGLang's packed kernels hold
@@ -55,7 +55,8 @@ def replay_write_through_kernel(
       values, as the next native verify reads the state its scatter wrote; runs the T draft tokens in float32,
       storing each output, and appends each token's records (``u``, normalised and raw k, g, beta, raw v) at
       positions ``0 .. T-1`` of the half the emptied history uses — never the half other programs of the
-      request are still folding from. The checkpoint keeps no draft token.
+      request are still folding from. The checkpoint keeps no draft token. With ``PREFETCH`` each draft
+      token's inputs are loaded one step ahead — the first before the fold — the same arithmetic, the same bits.
 
     A request that had records (``count > 0``) is a fold: the result is checked (:func:`~.ring.flag_nonfinite`)
     and its cursor emptied with no launch of its own — each of its ``P = HV * cdiv(V, BV)`` programs, once it
@@ -85,6 +86,12 @@ def replay_write_through_kernel(
         p_h0 = p_head + o_v[None, :] * K + o_k[:, None]
         b_h = tl.zeros([K, BV], dtype=tl.float32)
         b_h += tl.load(p_h0, mask=mask_h, other=0).to(tl.float32)
+    if DRAFT:
+        if PREFETCH:  # the first draft token's inputs, loaded while the fold runs
+            n_q, n_k, n_v, n_g, n_beta = token_inputs(
+                A_log, a, dt_bias, q, k, v, b, i_n * T, i_h, i_hv, o_k, o_v, mask_v, softplus_beta,
+                softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED,
+                ROUND_BETA)
     b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, r_safe * 2 * L + phase.to(tl.int64) * L, c, i_h, i_hv,
                         o_k, o_v, mask_k, mask_v, H, HV, K, V, IS_KDA)
 
@@ -99,9 +106,17 @@ def replay_write_through_kernel(
         writes_k = valid & (i_v == 0) & (i_hv % (HV // H) == 0)
         for t in range(0, T):
             row = i_n * T + t
-            b_q, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
-                A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
-                stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED, ROUND_BETA)
+            if PREFETCH:  # token t + 1's inputs loaded during token t's step (the last re-reads token T - 1)
+                b_q, b_k_raw, b_v_raw, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+                n_q, n_k, n_v, n_g, n_beta = token_inputs(
+                    A_log, a, dt_bias, q, k, v, b, i_n * T + tl.minimum(t + 1, T - 1), i_h, i_hv, o_k, o_v, mask_v,
+                    softplus_beta, softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA,
+                    BETA_ACTIVATED, ROUND_BETA)
+            else:
+                b_q, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
+                    A_log, a, dt_bias, q, k, v, b, row, i_h, i_hv, o_k, o_v, mask_v, softplus_beta,
+                    softplus_threshold, stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA,
+                    BETA_ACTIVATED, ROUND_BETA)
             b_k = l2normalize(b_k_raw.to(tl.float32))
             b_h, b_u = delta_rule_update_u(b_h, b_k, b_v_raw.to(tl.float32), b_g, b_beta, IS_KDA)
             b_o = tl.sum(b_h * (l2normalize(b_q) * scale)[:, None], 0)
@@ -116,8 +131,9 @@ def replay_write_through_kernel(
         b_q, b_k_raw, b_v_raw, b_g, b_beta = token_inputs(
             A_log, a, dt_bias, q, k, v, b, i_n, i_h, i_hv, o_k, o_v, mask_v, softplus_beta, softplus_threshold,
             stride_a, stride_q, stride_k, stride_v, stride_b, K, V, IS_KDA, BETA_ACTIVATED, ROUND_BETA)
+        b_q = l2normalize(b_q) * scale
         b_h = delta_rule_update(b_h, l2normalize(b_k_raw.to(tl.float32)), b_v_raw.to(tl.float32), b_g, b_beta, IS_KDA)
-        b_o = tl.sum(b_h * (l2normalize(b_q) * scale)[:, None], 0)
+        b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         b_out = b_h.to(p_h0.dtype.element_ty)
         if V_MAJOR:
@@ -157,7 +173,7 @@ columns; 0.76x against 0.75x, 32 columns, commit 713c0de)."""
 
 
 def _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, draft, is_kda,
-            beta_activated, scale, round_beta, v_major, block_v, num_warps, num_stages) -> torch.Tensor:
+            beta_activated, scale, round_beta, v_major, block_v, num_warps, num_stages, prefetch=False) -> torch.Tensor:
     """One :func:`replay_write_through_kernel` launch (``draft``: a verify window, else a decode), the tile as
     served where not given. Returns ``o``."""
     _, t_all, hk, kdim = k.shape
@@ -175,7 +191,7 @@ def _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, rec
         a.stride()[-2], q.stride()[1], k.stride()[1], v.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, L=ring.history, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated,
         ROUND_BETA=round_beta, V_MAJOR=WRITE_THROUGH_V_MAJOR if v_major is None else v_major, DRAFT=draft,
-        num_warps=num_warps, num_stages=num_stages)
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     return o
 
 
@@ -203,14 +219,16 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
                                 state_indices: torch.Tensor, ring: ReplayRing, record_indices: torch.Tensor, *,
                                 is_kda: bool, beta_activated: bool = False, scale: float | None = None,
                                 v_major: bool | None = None, block_v: int | None = None, num_warps: int = 1,
-                                num_stages: int = 3) -> torch.Tensor:
+                                num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
     """Write-through chain verify of ``N = len(state_indices)`` requests, ``T = T_all / N`` draft tokens each
     (inputs as :func:`~.verify.replay_verify`, ``T <= L``): each real request's history folded into its
     checkpoint (written, cursor emptied, where it had records), its window's outputs computed from there in
     SGLang's verify order and the window's records appended to the emptied history — one launch, no host
     sync, no allocation but ``o``. The acceptance that follows is replay's:
     ``advance(ring, record_indices, accepted, window=T)`` (the cursor is empty, no fold to settle). Tile
-    keywords as :func:`replay_write_through`. Returns ``o`` ``[1, T_all, HV, V]``."""
+    keywords as :func:`replay_write_through`; ``prefetch``: each draft token's inputs loaded one step ahead (the
+    kernel's ``PREFETCH``; the same bits; not served until timed: 255 registers a thread against 229 (GDN) and
+    239 (KDA) compiled for sm_90a). Returns ``o`` ``[1, T_all, HV, V]``."""
     t_all, n = k.shape[1], state_indices.shape[0]
     if n == 0 or t_all % n:
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
@@ -218,7 +236,7 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
         raise ValueError(f"a window of {t_all // n} tokens does not fit a replay history of {ring.history}: "
                          "L >= D needed")
     return _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, True, is_kda,
-                   beta_activated, scale, False, v_major, block_v, num_warps, num_stages)
+                   beta_activated, scale, False, v_major, block_v, num_warps, num_stages, prefetch)
 
 
 WRITE_THROUGH_VERIFY_BELOW = {
