@@ -174,9 +174,10 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     from native's in the last bits (another reduction order). Stored states always use the native
     tiling, which their bit-identity needs. ``prefetch``: load each token's inputs during the previous token's
     step (the kernel's ``PREFETCH``) instead of at the top of its own — the same bits; not served until timed:
-    compiled for sm_90a it holds the next token's inputs live through a step (GDN chain, 1 warp: 211 registers a
-    thread at BV 16 against 127, 255 at BV 32 against 168), fewer warps a multiprocessor against less latency
-    per step.
+    compiled for sm_90a it holds the next token's inputs live through a step (chain, 1 warp, float32 state: GDN
+    209 registers a thread at BV 16 against 128, 254 at BV 32 against 168; KDA 203 against 128 at BV 16;
+    ``scripts/kernel_registers.py --verify-window [--prefetch]``), fewer warps a multiprocessor against less
+    latency per step.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]

@@ -228,7 +228,7 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
     ``advance(ring, record_indices, accepted, window=T)`` (the cursor is empty, no fold to settle). Tile
     keywords as :func:`replay_write_through`; ``prefetch``: each draft token's inputs loaded one step ahead (the
     kernel's ``PREFETCH``; the same bits; not served until timed: 255 registers a thread against 229 (GDN) and
-    239 (KDA) compiled for sm_90a). Returns ``o`` ``[1, T_all, HV, V]``."""
+    247 (KDA) compiled for sm_90a, ``scripts/kernel_registers.py --write-through [--prefetch]``). Returns ``o`` ``[1, T_all, HV, V]``."""
     t_all, n = k.shape[1], state_indices.shape[0]
     if n == 0 or t_all % n:
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
