@@ -150,6 +150,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             if d > 1:
                 return (f"replay_write_through_verify[write-through](fold, checkpoint written, cursor emptied, "
                         f"window from the checkpoint, records{', ' + str(tile) if tile else ''})+advance(window={d})")
+            tile.pop("prefetch", None)  # a decode has no draft tokens to prefetch: not part of what ran
             return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
                     f"{', ' + str(tile) if tile else ''})")
         return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                         "and, with --verify-window, compact's")
     p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
                    help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
-                        "the fast 16x1), chain and tree")
+                        "ops.compact.FAST_VERIFY_TILE), chain and tree")
     args = p.parse_args(argv)
     tilings = parse_output_tilings(p, args.tilings)
     if any(L not in (8, 16, 32, 64) for L in args.histories):
@@ -190,7 +190,9 @@ def main(argv=None) -> int:
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
     if args.verify_window is not None:
-        tiles = parse_tilings(p, args.verify_window or ["32x1", "16x1"])
+        from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
+
+        tiles = parse_tilings(p, args.verify_window) if args.verify_window else [(32, 1), FAST_VERIFY_TILE]
         print("| family | state | D | tile | chain regs / spills | tree regs / spills |\n|---|---|---|---|---|---|")
         for fam, dt, (bv, warps) in itertools.product(args.families, args.state_dtypes, tiles):
             res = [verify_window_resources(fam, dt, args.draft_tokens, tree, (bv, warps), args.prefetch)
