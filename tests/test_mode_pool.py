@@ -1,17 +1,21 @@
 """``ModeMambaPool`` on SGLang 0.5.14's real ``MambaPool`` (CPU): buffers per mode, memory, the
 canonical state for radix-cache copies, CPU offload and PD, history clearing, slot reuse."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from sglang.srt.configs.mamba_utils import (
     KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape,
 )
+from sglang.srt.mem_cache import memory_pool as sglang_memory_pool
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
 from kernel_cases import flat_inputs, to_device
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.ops.replay import advance, replay_verify
 from sglang_ssm_modes.pool import LinearHeads, ModeMambaPool
+from sglang_ssm_modes.pool import mode_pool
 from sglang_ssm_modes.pool.mode_pool import ConvScratchState
 from sglang_ssm_modes.reference import ReplayRecords, fold
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
@@ -131,13 +135,19 @@ def test_replay_copy_from_materialises_into_the_destination():
     assert torch.equal(pool.mamba_cache.conv[0][:, 5], pool.mamba_cache.conv[0][:, 3])
 
 
-def test_replay_cpu_copy_is_canonical_and_restore_clears_history():
+def test_replay_cpu_copy_is_canonical_and_restore_clears_history(monkeypatch):
     pool = make_pool("replay")
     gen = torch.Generator().manual_seed(52)
     pool.mamba_cache.temporal.normal_(generator=gen)
     _fill_history(pool, [2, 4], 2, gen)
     want = torch.stack([_expected_fold(pool, layer, 2) for layer in range(LAYERS)])
+    events = []  # SGLang synchronizes first: a PD decode server offloads a retracted request's slot while the
+    # previous batch (which may append to its history) is still in flight; the fold must come after that
+    monkeypatch.setattr(sglang_memory_pool.current_platform, "synchronize", lambda *a, **k: events.append("sync"))
+    fold = mode_pool.fold_into_checkpoints
+    monkeypatch.setattr(mode_pool, "fold_into_checkpoints", lambda *a, **k: (events.append("fold"), fold(*a, **k))[1])
     conv_cpu, temporal_cpu = pool.get_cpu_copy(torch.tensor([2]))
+    assert events[:2] == ["sync", "fold"], events
     assert torch.allclose(temporal_cpu[:, 0], want, rtol=1e-5, atol=1e-6)
     assert (pool.replay_rings.count[:, 2] == 0).all(), "folded before the copy"
     assert (pool.replay_rings.count[:, 4] == 2).all(), "other requests keep their history"
@@ -173,7 +183,12 @@ def test_kda_pool_allocates_per_channel_gates():
 def test_hybrid_req_to_token_pool_builds_the_mode_pool(mode, cuda_scratch_on_cpu, monkeypatch):
     """SGLang's own HybridReqToTokenPool (allocator, mappings) with the plugin's hook on its
     ``_init_mamba_pool``: the state tensors are allocated once, alloc/free cycles return every slot,
-    and a reused slot starts empty."""
+    and a slot that finished requests left behind starts empty for the next ones — through SGLang's own
+    path: its ``alloc`` marks new slots ``mamba_needs_clear``, the batch collects them and the backend's
+    deferred clear (``_execute_deferred_mamba_cow_and_clear``) empties them before the extend."""
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
@@ -193,19 +208,35 @@ def test_hybrid_req_to_token_pool_builds_the_mode_pool(mode, cuda_scratch_on_cpu
     assert hasattr(mp.mamba_cache, "intermediate_conv_window"), "every speculative pool keeps SGLang's conv scratch"
     if mode == "replay":
         assert mp.replay_rings.count.shape == (LAYERS, 7)
+    def requests(n):
+        return [SimpleNamespace(req_pool_idx=None, mamba_pool_idx=None, mamba_needs_clear=False,
+                                mamba_cow_src_index=None) for _ in range(n)]
+
     free_before = pool.mamba_allocator.available_size()
-    slots = pool.mamba_allocator.alloc(3)
+    first = requests(3)
+    pool.alloc(first)
     assert pool.mamba_allocator.available_size() == free_before - 3
-    mp.mamba_cache.temporal[:, slots.long()] = 1.0
-    if mp.replay_rings is not None:
-        mp.replay_rings.count[:, slots.long()] = 5
-    pool.mamba_allocator.free(slots)
-    mp.clear_slots(slots)
+    for r in first:
+        pool.free_mamba_cache(r)
+        pool.free(r)
     assert pool.mamba_allocator.available_size() == free_before
-    again = pool.mamba_allocator.alloc(3)
-    assert (mp.mamba_cache.temporal[:, again.long()] == 0).all()
+    mp.mamba_cache.temporal.fill_(1.0)  # every slot holds a previous owner's state (and, in replay, history)
     if mp.replay_rings is not None:
-        assert (mp.replay_rings.count[:, again.long()] == 0).all()
+        mp.replay_rings.count.fill_(5)
+    second = requests(3)
+    pool.alloc(second)
+    again = torch.stack([r.mamba_pool_idx for r in second]).long()
+    assert all(r.mamba_needs_clear for r in second)
+    batch = SimpleNamespace()
+    ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, second)
+    backend = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
+    forward_batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, mamba_clear_indices=batch.mamba_clear_indices,
+                                    mamba_cow_src_indices=None, mamba_cow_dst_indices=None)
+    MambaAttnBackendBase._execute_deferred_mamba_cow_and_clear(backend, forward_batch)  # GDN / KDA backends
+    others = [slot for slot in range(mp.mamba_cache.temporal.shape[1]) if slot not in again.tolist()]
+    assert (mp.mamba_cache.temporal[:, again] == 0).all() and (mp.mamba_cache.temporal[:, others] == 1).all()
+    if mp.replay_rings is not None:
+        assert (mp.replay_rings.count[:, again] == 0).all() and (mp.replay_rings.count[:, others] == 5).all()
 
 
 def test_adopt_refuses_a_pool_with_speculative_scratch(cuda_scratch_on_cpu):

@@ -198,12 +198,47 @@ def test_pd_decode_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):
         assert (pool.replay_rings.count[:, 1] == 3).all(), "other slots keep their history"
 
 
+def test_sglang_serves_hicache_of_hybrid_ssm_models_through_the_hooked_component(monkeypatch):
+    """SGLang 0.5.14 builds ``UnifiedRadixCache`` (with a ``MambaComponent``) for a hybrid SSM model with
+    ``--enable-hierarchical-cache``, never ``HiMambaRadixCache``: the HiCache hooks sit on that component."""
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.unified_cache_components.mamba_component import MambaComponent
+    from sglang_ssm_modes.integration import hook_targets
+
+    monkeypatch.setattr(registry, "_create_unified_radix_cache", lambda ctx, server_args, params: "unified")
+    ctx = SimpleNamespace(server_args=SimpleNamespace(enable_lmcache=False), params=None,
+                          effective_chunked_prefill_size=8192, disable_radix_cache=False,
+                          enable_hierarchical_cache=True, is_hybrid_ssm=True, is_hybrid_swa=False)
+    assert registry.default_radix_cache_factory(ctx) == "unified"
+    for target in (hook_targets.HICACHE_BUILD, hook_targets.HICACHE_COMMIT):
+        assert target in hook_targets.MODE_TARGETS and callable(getattr(MambaComponent, target.rsplit(".", 1)[1]))
+
+
+def _mamba_component(pool):
+    """SGLang's ``MambaComponent`` over ``pool``, with the radix cache it talks to reduced to what its HiCache
+    transfers touch (the allocator is SGLang's)."""
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+    from sglang.srt.mem_cache.unified_cache_components.mamba_component import MambaComponent
+    from sglang.srt.mem_cache.unified_cache_components.tree_component import ComponentType
+
+    lru = SimpleNamespace(in_list=lambda node: False, remove_node=lambda node: None, insert_mru=lambda node: None)
+    cache = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(mamba_pool=pool, mamba_allocator=MambaSlotAllocator(pool.size, "cpu")),
+        host_lru_lists={ComponentType.MAMBA: lru}, lru_lists={ComponentType.MAMBA: lru},
+        component_evictable_size_={ComponentType.MAMBA: 0})
+    component = MambaComponent.__new__(MambaComponent)
+    component.cache = cache
+    return component, ComponentType.MAMBA
+
+
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
 def test_hicache_backup_starts_from_the_canonical_state(mode, cuda_scratch_on_cpu):  # noqa: F811
-    """HiCache device-to-host backup of a tree node: by the time SGLang builds the transfer, the node's
-    slot holds its committed state (replay: folded in place, history emptied) — what the host copies
-    is what native would hold; other slots and the other modes are untouched."""
-    from sglang.srt.mem_cache.hi_mamba_radix_cache import HiMambaRadixCache
+    """HiCache device-to-host backup of a tree node (``UnifiedRadixCache.write_backup``): by the time SGLang's
+    ``MambaComponent`` has described the transfer, the node's slot holds its committed state (replay: folded in
+    place, history emptied) — what the host copies is what native would hold; other slots, other phases and
+    the other modes are untouched."""
+    from sglang.srt.mem_cache.unified_cache_components.mamba_component import MambaComponent
+    from sglang.srt.mem_cache.unified_cache_components.tree_component import CacheTransferPhase
 
     pool = make_pool(mode, draft_tokens=1, size=6, history=8)
     gen = torch.Generator().manual_seed(10)
@@ -213,17 +248,16 @@ def test_hicache_backup_starts_from_the_canonical_state(mode, cuda_scratch_on_cp
     want = pool.canonical_states(torch.tensor([3]))[:, 0]
     before = pool.mamba_cache.temporal.clone()
     rings = pool.replay_rings and pool.replay_rings.count.clone()
-    seen = []
-
-    def sglang_transfers(cache, node):  # SGLang's own: describe the copy of node.mamba_value
-        seen.append(pool.mamba_cache.temporal[:, int(node.mamba_value)].clone())
-        return ["transfer"]
-
-    cache = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=pool))
-    node = SimpleNamespace(mamba_value=torch.tensor([3]))
-    assert pool_hooks.hicache_backup_transfers(sglang_transfers, cache, node) == ["transfer"]
-    assert callable(HiMambaRadixCache.mamba_backup_transfers)
-    torch.testing.assert_close(seen[0], want, rtol=1e-6, atol=1e-6)
+    component, ct = _mamba_component(pool)
+    node = SimpleNamespace(component_data={ct: SimpleNamespace(value=torch.tensor([3]), host_value=torch.tensor([0]))},
+                           hash_value=None)
+    storage = pool_hooks.hicache_build_transfers(MambaComponent.build_hicache_transfers, component, node,
+                                                 CacheTransferPhase.BACKUP_STORAGE)
+    assert storage is None and torch.equal(pool.mamba_cache.temporal, before), "no device slot read: nothing folds"
+    transfers = pool_hooks.hicache_build_transfers(MambaComponent.build_hicache_transfers, component, node,
+                                                   CacheTransferPhase.BACKUP_HOST)
+    assert [int(t.device_indices) for t in transfers] == [3]
+    torch.testing.assert_close(pool.mamba_cache.temporal[:, 3], want, rtol=1e-6, atol=1e-6)  # what the host copies
     others = [s for s in range(6) if s != 3]
     assert torch.equal(pool.mamba_cache.temporal[:, others], before[:, others])
     if mode == "replay":
@@ -231,32 +265,49 @@ def test_hicache_backup_starts_from_the_canonical_state(mode, cuda_scratch_on_cp
         assert (pool.replay_rings.count[:, 3] == 0).all() and torch.equal(pool.replay_rings.count[:, 1], rings[:, 1])
     else:
         assert torch.equal(pool.mamba_cache.temporal, before)
-    assert pool_hooks.hicache_backup_transfers(lambda c, n: None, cache, SimpleNamespace(mamba_value=None)) is None
+    empty = SimpleNamespace(component_data={ct: SimpleNamespace(value=None, host_value=None)})
+    assert pool_hooks.hicache_build_transfers(MambaComponent.build_hicache_transfers, component, empty,
+                                              CacheTransferPhase.BACKUP_HOST) is None
 
 
 @pytest.mark.parametrize("mode", ["native", "compact", "replay"])
-def test_hicache_restored_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):  # noqa: F811
-    """HiCache host-to-device restore: after SGLang commits the restored nodes, the slots the host's
-    canonical states went to (the controller's, and a request's own) have no history; other slots keep
-    theirs, states are untouched."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+def test_hicache_loaded_slots_start_with_an_empty_history(mode, cuda_scratch_on_cpu):  # noqa: F811
+    """HiCache host-to-device load (``UnifiedRadixCache.load_back``): SGLang's ``MambaComponent`` takes the
+    request's slot straight from the allocator (no deferred clear) and HiCache's controller allocates the
+    node's; both may still hold a previous owner's records. Once the load is described (the request's slot)
+    and committed (every slot loaded), they have none, so the restored state is the host's; other slots keep
+    their history, states are untouched."""
+    from sglang.srt.mem_cache.unified_cache_components.mamba_component import MambaComponent
+    from sglang.srt.mem_cache.unified_cache_components.tree_component import CacheTransferPhase
 
     pool = make_pool(mode, draft_tokens=1, size=6, history=8)
     gen = torch.Generator().manual_seed(11)
-    if mode == "replay":
+    if mode == "replay":  # previous owners of slots 1 and 2 (the allocator's first free ones) finished with records
         _fill_history(pool, [1, 2, 4, 5], 2, gen)
     temporal = pool.mamba_cache.temporal.clone()
     count = pool.replay_rings and pool.replay_rings.count.clone()
-    transfers = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7]), device_indices=torch.tensor([2])),
-                 PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([8]), device_indices=torch.tensor([4]))]
-    cache = SimpleNamespace(req_to_token_pool=SimpleNamespace(mamba_pool=pool))
-    assert pool_hooks.hicache_restore_commit(lambda c, n, t: "committed", cache, ["node"], transfers) == "committed"
+    component, ct = _mamba_component(pool)
+    node = SimpleNamespace(component_data={ct: SimpleNamespace(value=None, host_value=torch.tensor([5]))})
+    req = SimpleNamespace(mamba_pool_idx=None)
+    transfers = pool_hooks.hicache_build_transfers(MambaComponent.build_hicache_transfers, component, node,
+                                                   CacheTransferPhase.LOAD_BACK, req=req)
+    assert int(req.mamba_pool_idx) == 1 and [t.device_indices for t in transfers][0] is None
+    if mode == "replay":
+        count[:, 1] = 0
+        assert torch.equal(pool.replay_rings.count, count), "the request's new slot is emptied at once"
+    transfers[0].device_indices = component.cache.req_to_token_pool.mamba_allocator.alloc(1)  # HiCache's controller
+    assert int(transfers[0].device_indices) == 2
+    assert pool_hooks.hicache_commit_transfer(MambaComponent.commit_hicache_transfer, component, node,
+                                              CacheTransferPhase.LOAD_BACK, transfers) is None
+    assert int(node.component_data[ct].value) == 2, "SGLang's own commit ran"
     assert torch.equal(pool.mamba_cache.temporal, temporal)
     if mode == "replay":
-        count[:, [2, 4]] = 0
-        assert torch.equal(pool.replay_rings.count, count) and (pool.replay_rings.count[:, [1, 5]] == 2).all()
-    nothing = [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([9]), device_indices=None)]
-    assert pool_hooks.hicache_restore_commit(lambda c, n, t: None, cache, ["node"], nothing) is None
+        count[:, 2] = 0
+        assert torch.equal(pool.replay_rings.count, count) and (pool.replay_rings.count[:, [4, 5]] == 2).all()
+        backup = [SimpleNamespace(device_indices=torch.tensor([4]), host_indices=torch.tensor([0]))]
+        pool_hooks.hicache_commit_transfer(MambaComponent.commit_hicache_transfer, component, node,
+                                           CacheTransferPhase.BACKUP_HOST, backup)
+        assert (pool.replay_rings.count[:, 4] == 2).all(), "only a load empties a history"
 
 
 @pytest.mark.parametrize("family,history,state_dtype,draft,topk,level,says", [

@@ -50,6 +50,8 @@ SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
     "tp_2": (["--tp-size", "2"], (), None),
     "dp_attention": (["--dp-size", "2", "--enable-dp-attention"], (), None),
     "no_radix": (["--disable-radix-cache"], (), None),
+    "adaptive_spec": (["--speculative-algorithm", "EAGLE", "--speculative-adaptive"], ("compact", "replay"),
+                      "--speculative-adaptive"),
 }
 
 

@@ -16,12 +16,12 @@ INT8_STORE = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.sto
 INT8_LOAD = "sglang.srt.mem_cache.mamba_checkpoint_pool.MambaCheckpointPool.load_to_active"
 PD_PREBUILT = "sglang.srt.disaggregation.decode_schedule_batch_mixin.ScheduleBatchDisaggregationDecodeMixin" \
               ".prepare_for_prebuilt"
-_HIMAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache"
-HICACHE_BACKUP = f"{_HIMAMBA}.mamba_backup_transfers"
-HICACHE_RESTORE = f"{_HIMAMBA}.mamba_restore_commit"
+_MAMBA_COMPONENT = "sglang.srt.mem_cache.unified_cache_components.mamba_component.MambaComponent"
+HICACHE_BUILD = f"{_MAMBA_COMPONENT}.build_hicache_transfers"  # HiCache of hybrid SSM models: UnifiedRadixCache
+HICACHE_COMMIT = f"{_MAMBA_COMPONENT}.commit_hicache_transfer"
 DECODE_STATS = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 MODE_TARGETS = (POOL, SIZING, GDN_DECODE, GDN_EXTEND, KDA_DECODE, KDA_EXTEND, COMMIT, INT8_STORE, INT8_LOAD,
-                PD_PREBUILT, HICACHE_BACKUP, HICACHE_RESTORE, DECODE_STATS)
+                PD_PREBUILT, HICACHE_BUILD, HICACHE_COMMIT, DECODE_STATS)
 """Every target a non-native mode is served through."""
 
 

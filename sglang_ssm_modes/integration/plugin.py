@@ -12,8 +12,8 @@ Hooks:
 * ``HybridReqToTokenPool._init_mamba_pool`` and ``ModelRunnerKVCacheMixin.handle_max_mamba_cache``: the
   mode's pool and its sizing; ``MambaCheckpointPool.store_from_active`` / ``load_to_active``: int8
   radix-cache checkpoints of the canonical state; ``ScheduleBatch.prepare_for_prebuilt`` (PD decode): the
-  slots a transfer has just filled start with an empty history; ``HiMambaRadixCache.mamba_backup_transfers``
-  / ``mamba_restore_commit`` (HiCache): a tree slot holds the canonical state when its backup to the host
+  slots a transfer has just filled start with an empty history; ``MambaComponent.build_hicache_transfers``
+  / ``commit_hicache_transfer`` (HiCache, which ``UnifiedRadixCache`` serves for these models): a tree slot holds the canonical state when its backup to the host
   starts, and a slot the host restored starts with an empty history (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
   ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
@@ -48,8 +48,8 @@ HOOKS = {  # target -> AROUND hook
     targets.INT8_STORE: pool_hooks.int8_store_from_active,
     targets.INT8_LOAD: pool_hooks.int8_load_to_active,
     targets.PD_PREBUILT: pool_hooks.pd_prepare_for_prebuilt,
-    targets.HICACHE_BACKUP: pool_hooks.hicache_backup_transfers,
-    targets.HICACHE_RESTORE: pool_hooks.hicache_restore_commit,
+    targets.HICACHE_BUILD: pool_hooks.hicache_build_transfers,
+    targets.HICACHE_COMMIT: pool_hooks.hicache_commit_transfer,
     targets.DECODE_STATS: metrics.report_decode_stats,
 }
 """Every AROUND hook of the plugin, by SGLang target."""

@@ -5,9 +5,11 @@ mode saves becomes more running requests or more radix cache); and the int8 radi
 the slot that receives one starts with an empty history. PD disaggregation is the same contract across
 servers: the prefill server's slot holds the canonical state when its transfer starts (a replay prefill
 folds the history first and leaves none behind), and the decode server's slot that received it starts
-with an empty history (``ScheduleBatch.prepare_for_prebuilt``). HiCache likewise: a tree slot is folded in
-place before its device-to-host backup starts (``HiMambaRadixCache.mamba_backup_transfers``), and the slots a
-host-to-device restore filled start with an empty history (``mamba_restore_commit``).
+with an empty history (``ScheduleBatch.prepare_for_prebuilt``). HiCache likewise (for hybrid SSM models SGLang 0.5.14
+serves it through ``UnifiedRadixCache`` and its ``MambaComponent``): a tree slot is folded in place before
+its device-to-host backup starts (``build_hicache_transfers``), and the slots a host-to-device load fills
+start with an empty history (``build_hicache_transfers`` for a request's own new slot,
+``commit_hicache_transfer`` for every slot loaded).
 
 The mode comes from the server arguments (``ServerArgs.ssm_mode_config``, set at startup by the plugin);
 without one every hook is SGLang's own behaviour.
@@ -173,24 +175,42 @@ def pd_prepare_for_prebuilt(original, self):
     return result
 
 
-def hicache_backup_transfers(original, self, node):
-    """AROUND ``HiMambaRadixCache.mamba_backup_transfers`` (HiCache device-to-host backup of a tree node):
-    in replay, fold the node's slot in place first, so the raw buffers the backup copies (on HiCache's write
-    stream, ordered after this launch) hold the canonical state and the slot keeps no history. The tree
-    owns the slot (a finished request donates its own), so folding it changes no one's committed state."""
-    pool = _replay_pool(self)
-    if pool is not None and node.mamba_value is not None:
-        pool.materialise_in_place(node.mamba_value)
-    return original(self, node)
+def hicache_build_transfers(original, self, node, phase, **kwargs):
+    """AROUND ``MambaComponent.build_hicache_transfers`` (SGLang 0.5.14 serves HiCache for hybrid SSM models
+    through ``UnifiedRadixCache``; its mamba component describes each host transfer of a tree node's state):
+
+    * device-to-host backup: in replay, fold the node's slot in place first, so the raw buffers the backup
+      copies (on HiCache's write stream, ordered after this launch) hold the canonical state and the slot
+      keeps no history. The tree owns the slot (a finished request may donate its own), so folding it changes
+      no one's committed state;
+    * host-to-device load: the request's own slot, when SGLang allocates it here (straight from the
+      allocator, so no deferred clear follows), starts with an empty history — a previous owner's records
+      would otherwise be folded into the restored state, whether or not the load goes ahead."""
+    from sglang.srt.mem_cache.unified_cache_components.tree_component import CacheTransferPhase
+
+    pool = _replay_pool(self.cache)
+    req = kwargs.get("req")
+    had_slot = req is None or req.mamba_pool_idx is not None
+    if pool is not None and phase == CacheTransferPhase.BACKUP_HOST:
+        value = node.component_data[self.component_type].value
+        if value is not None:
+            pool.materialise_in_place(value)
+    result = original(self, node, phase, **kwargs)
+    if pool is not None and phase == CacheTransferPhase.LOAD_BACK and not had_slot and req.mamba_pool_idx is not None:
+        pool.clear_history(torch.as_tensor(req.mamba_pool_idx).reshape(1))
+    return result
 
 
-def hicache_restore_commit(original, self, restored_nodes, transfers):
-    """AROUND ``HiMambaRadixCache.mamba_restore_commit`` (after a host-to-device restore): in replay, the
-    device slots the host's canonical states went to — the tree nodes' and a request's own — start with
-    an empty history (a reused slot may still hold a previous owner's records)."""
-    result = original(self, restored_nodes, transfers)
-    pool = _replay_pool(self)
-    if pool is not None and restored_nodes and transfers:
+def hicache_commit_transfer(original, self, node, phase, transfers=(), **kwargs):
+    """AROUND ``MambaComponent.commit_hicache_transfer``: after a host-to-device load, in replay, the device
+    slots the host's canonical states went to — the tree node's (allocated by HiCache's controller) and a
+    request's own — start with an empty history (a reused slot may still hold a previous owner's records).
+    The load writes only the state and conv buffers, never the rings, so the order against it is free."""
+    from sglang.srt.mem_cache.unified_cache_components.tree_component import CacheTransferPhase
+
+    result = original(self, node, phase, transfers, **kwargs)
+    pool = _replay_pool(self.cache)
+    if pool is not None and phase == CacheTransferPhase.LOAD_BACK and transfers:
         slots = [t.device_indices.reshape(-1) for t in transfers if t.device_indices is not None]
         if slots:
             pool.clear_history(torch.cat(slots))

@@ -40,3 +40,8 @@ def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_na
         raise SSMModeConfigError(
             f"{flag} stores the recurrent state of Gated DeltaNet / Kimi Delta Attention layers, and this model "
             f"({config_name}) has none: drop {FLAG_MODE} (or pass {FLAG_MODE} native)")
+    if getattr(server_args, "speculative_adaptive", False):
+        raise SSMModeConfigError(
+            f"--speculative-adaptive changes the verify width (--speculative-num-draft-tokens) from one round to "
+            f"the next, and {flag} serves the one width its records and history were built for: drop "
+            f"--speculative-adaptive, or pass {FLAG_MODE} native")

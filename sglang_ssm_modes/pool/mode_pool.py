@@ -250,6 +250,9 @@ class ModeMambaPool(MambaPool):
         return out
 
     def get_cpu_copy(self, indices):
+        # SGLang synchronizes before copying: on a PD decode server a retracted request's slot is offloaded
+        # while the previous batch, which may append to or write through its history, is still in flight
+        sglang_memory_pool.current_platform.synchronize()
         self.materialise_in_place(indices)
         return super().get_cpu_copy(indices)
 
