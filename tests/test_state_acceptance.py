@@ -1,7 +1,8 @@
 """``StateAcceptance`` over random speculative rounds, in every mode, against the native pool: the
 whole state tensor (committed slots, tracked snapshots, padding and untouched slots) compared —
-compact bit for bit, replay after materialising within float32 rounding. On the GPU where there is one
-(the kernels for real, SGLang's CUDA scatter for native), else on the CPU interpreter."""
+compact bit for bit, replay after materialising within float32 rounding; GDN and KDA (Kimi-Linear's heads: the
+per-key-channel gate in the stacked records and rings). On the GPU where there is one (the kernels for real,
+SGLang's CUDA scatter for native), else on the CPU interpreter."""
 
 import dataclasses
 
@@ -16,12 +17,13 @@ from sglang_ssm_modes.ops.replay import after_fold, fold_needed, replay_fold, re
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.pool import ModeMambaPool
-from test_mode_pool import HK, HV, KD, LAYERS, VD, cuda_scratch_on_cpu, gdn_params, make_pool  # noqa: F401
+from test_mode_pool import HK, HV, KD, LAYERS, VD, cuda_scratch_on_cpu, gdn_params, kda_params, make_pool  # noqa: F401
 
 N, D, SIZE = 5, 3, 9
 
 
 def _verify(pool, layer, params, inp, state_idx):
+    kda = pool.heads.family == "kda"
     temporal = pool.mamba_cache.temporal[layer]
     args = (params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"])
     batch = torch.arange(N, dtype=torch.int32, device=DEVICE)
@@ -31,15 +33,15 @@ def _verify(pool, layer, params, inp, state_idx):
             initial_state_source=temporal, initial_state_indices=state_idx, use_qk_l2norm_in_kernel=True,
             cu_seqlens=torch.arange(0, N * D + 1, D, dtype=torch.int32, device=DEVICE), disable_state_update=True,
             intermediate_states_buffer=pool.mamba_cache.intermediate_ssm[layer], intermediate_state_indices=batch,
-            cache_steps=D, **inp)
+            cache_steps=D, is_kda=kda, **inp)
     elif pool.mode_config.mode == "compact":
-        compact_verify(*args, temporal, state_idx, pool.layer_records(layer), batch, is_kda=False)
+        compact_verify(*args, temporal, state_idx, pool.layer_records(layer), batch, is_kda=kda)
     else:
         ring = pool.layer_ring(layer)
         need = fold_needed(ring, state_idx, D)
-        replay_fold(temporal, state_idx, ring, state_idx, need, is_kda=False)
+        replay_fold(temporal, state_idx, ring, state_idx, need, is_kda=kda)
         after_fold(ring, state_idx, need)
-        replay_verify(*args, temporal, state_idx, ring, state_idx, is_kda=False)
+        replay_verify(*args, temporal, state_idx, ring, state_idx, is_kda=kda)
 
 
 def _materialised(pool):
@@ -49,12 +51,14 @@ def _materialised(pool):
         slots = torch.arange(SIZE + 1, dtype=torch.int32, device=DEVICE)
         for layer in range(LAYERS):  # a layer at a time: the stacked launch is what the commit under test uses
             replay_fold(pool.mamba_cache.temporal[layer], slots, pool.layer_ring(layer), slots,
-                        torch.ones_like(slots, dtype=torch.bool), is_kda=False, dst=out[layer], dst_indices=slots)
+                        torch.ones_like(slots, dtype=torch.bool), is_kda=pool.heads.family == "kda", dst=out[layer],
+                        dst_indices=slots)
     return out
 
 
 @pytest.mark.usefixtures("cuda_scratch_on_cpu")
-def test_acceptance_rounds_agree_with_native_in_every_mode(monkeypatch):
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_acceptance_rounds_agree_with_native_in_every_mode(monkeypatch, family):
     """Rounds of verify + commit (tracked snapshots included) in every mode against native. Compact and replay
     commit every layer in the same launches: per commit, compact 2 commit launches (snapshot, commit), replay 1
     snapshot fold, 1 history clear and 1 cursor launch, whatever the layer count."""
@@ -64,20 +68,24 @@ def test_acceptance_rounds_agree_with_native_in_every_mode(monkeypatch):
         monkeypatch.setattr(state_acceptance, name,
                             lambda *a, _real=real, _name=name, **kw: calls.__setitem__(_name, calls[_name] + 1)
                             or _real(*a, **kw))
-    pools = {m: make_pool(m, draft_tokens=D, size=SIZE, history=8, device=DEVICE)
+    cache_params = kda_params() if family == "kda" else gdn_params()
+    pools = {m: make_pool(m, cache_params, draft_tokens=D, size=SIZE, history=8, device=DEVICE)
              for m in ("native", "compact", "replay")}
-    gen = torch.Generator().manual_seed(61)
-    init = (torch.randn(LAYERS, SIZE + 1, HV, VD, KD, generator=gen) * 0.3).to(DEVICE)
+    heads = pools["compact"].heads
+    assert heads.family == family
+    hk, hv, kd, vd = heads.num_k_heads, heads.num_v_heads, heads.head_k_dim, heads.head_v_dim
+    gen = torch.Generator().manual_seed(61 + (family == "kda"))
+    init = (torch.randn(LAYERS, SIZE + 1, hv, vd, kd, generator=gen) * 0.3).to(DEVICE)
     for pool in pools.values():
         pool.mamba_cache.temporal.copy_(init)
-    params = [random_gate_params("gdn", HV, KD, gen) for _ in range(LAYERS)]
+    params = [random_gate_params(family, hv, kd, gen) for _ in range(LAYERS)]
     params = [dataclasses.replace(p, A_log=p.A_log.to(DEVICE), dt_bias=p.dt_bias.to(DEVICE)) for p in params]
     state_idx = torch.tensor([4, 1, -1, 0, 3], dtype=torch.int32, device=DEVICE)  # slot -1: a padding row
     for rnd in range(4):
-        xs = [random_inputs("gdn", N, D, HK, HV, KD, VD, gen, torch.bfloat16) for _ in range(LAYERS)]
+        xs = [random_inputs(family, N, D, hk, hv, kd, vd, gen, torch.bfloat16) for _ in range(LAYERS)]
         for pool in pools.values():
             for layer in range(LAYERS):
-                _verify(pool, layer, params[layer], to_device(flat_inputs(xs[layer], "gdn", N, D), DEVICE), state_idx)
+                _verify(pool, layer, params[layer], to_device(flat_inputs(xs[layer], family, N, D), DEVICE), state_idx)
         last = torch.randint(-1, D, (N,), generator=gen)
         last[2] = D - 1  # the padding row claims a full acceptance: nothing may change
         last[0] = D - 1
