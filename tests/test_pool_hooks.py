@@ -325,25 +325,29 @@ def test_hicache_loaded_slots_start_with_an_empty_history(mode, cuda_scratch_on_
     ("kda", 16, torch.float16, 4, 1, "INFO", "0.85-0.99x from 8"),
     ("kda", 32, torch.float32, 4, 1, "INFO", "below 64 requests per step"),
     ("gdn", 32, torch.bfloat16, 4, 1, "INFO", "output-only from 32: 1.14-1.53x"),
-    ("kda", 16, torch.float16, 1, 1, "INFO", "writes through below 128 requests per step"),
+    ("kda", 16, torch.float16, 1, 1, "WARNING", "writes through below 128 requests per step"),
     ("kda", 16, torch.float16, 1, 1, "INFO", "a float16 state rounds where native's does"),
-    ("gdn", 64, torch.bfloat16, 1, 1, "INFO", "0.87-0.92x from 32 to 256 (SGLang's packed decode"),
+    ("gdn", 64, torch.bfloat16, 1, 1, "WARNING", "0.87-0.92x from 32 to 256 (SGLang's packed decode"),
     ("gdn", 16, torch.bfloat16, 4, 1, "INFO", "1.00-1.21x native at every batch measured); output-only from 32: "
                                               "1.40-1.93x"),
     ("gdn", 8, torch.float32, 1, 1, "INFO", "1.17-1.24x native from 64 to 256 running requests (measured at L = 16)"),
     ("gdn", 8, torch.float32, 4, 1, "INFO", "2.04-2.67x native from 32 to 256 requests (measured at L = 16)"),
     ("gdn", 16, torch.float32, 4, 3, "INFO", "tree verify runs compact's kernels"),
-    ("kda", 32, torch.bfloat16, 1, 1, "INFO", "for speed pass --mamba-ssm-dtype float32"),
+    ("kda", 32, torch.bfloat16, 1, 1, "WARNING", "for speed pass --mamba-ssm-dtype float32, for memory "
+                                           "--ssm-state-mode compact"),
     ("gdn", 16, torch.float32, 1, 1, "INFO", "writethrough_tile_20261205, commit bd811dc, H100"),
     ("gdn", 16, torch.float32, 4, 1, "INFO", "writethrough_verify_20261205, commits 08d2506 and 7f7be68, H100"),
 ])
 def test_replay_says_at_startup_where_it_is_slower_than_native(family, history, state_dtype, draft, topk, level, says):
     """The issue's rule: where replay is not a win, the server log says so (from the measured tables in
-    ``integration.replay_tradeoffs``), as a warning where it was slower than native at every batch measured;
+    ``integration.replay_tradeoffs``), as a warning where plain decode was never faster than native;
     plain decode and a chain verify say where they write through."""
     cfg = SSMModeConfig(mode="replay", replay_history=history, draft_tokens=draft)  # --mamba-ssm-dtype unset:
     lines = replay_tradeoffs(cfg, family, state_dtype, tree_verify=topk > 1)  # the pool's dtype is what counts
     assert any(logging.getLevelName(lv) == level and says in text for lv, text in lines), lines
-    assert all(lv in (logging.INFO, logging.WARNING) for lv, _ in lines)
+    # a warning exactly where plain decode was never faster than native: a 2-byte state (level below 32
+    # requests, 0.86-0.92x from 32: native's packed decode moves half the bytes); the rest is information
+    assert [lv for lv, _ in lines] == [logging.WARNING if state_dtype != torch.float32 else logging.INFO] + \
+        [logging.INFO] * (len(lines) - 1)
     assert len(lines) == 1 + (draft > 1) + (state_dtype != torch.float32)  # decode, verify (or tree), rounding
     assert replay_tradeoffs(SSMModeConfig(mode="compact"), family, torch.float32, tree_verify=False) == []
