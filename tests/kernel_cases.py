@@ -2,11 +2,13 @@
 native verify + acceptance as the baseline, random draft trees."""
 
 import torch
+import triton
 
 from sglang.srt.layers.attention.fla.fused_recurrent import (fused_recurrent_gated_delta_rule_packed_decode,
                                                               fused_recurrent_kda_packed_decode)
 from sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
-from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import fused_mamba_state_scatter_with_mask
+from sglang.srt.layers.attention.mamba.mamba_state_scatter_triton import (_fused_mamba_state_scatter_with_mask_kernel,
+                                                                           fused_mamba_state_scatter_with_mask)
 
 from sglang_ssm_modes.ops.replay import replay_verify
 from sglang_ssm_modes.reference.random_layer import random_gate_params, random_inputs, random_state
@@ -17,6 +19,54 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def ring_snapshot(ring):
     """A copy of every buffer of a :class:`~sglang_ssm_modes.ops.replay.ReplayRing`, by name."""
     return {name: t.clone() for name, t in ring.buffers().items()}
+
+
+def ulps(a, b) -> int:
+    """The most units in the last place two same-dtype tensors differ by (their bit patterns as integers)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+    return int((a.view(ints).long() - b.view(ints).long()).abs().max()) if a.numel() else 0
+
+
+def bf16_ulp(a, b):
+    """Elementwise, one bfloat16 unit in the last place of the larger magnitude of ``a`` and ``b`` (float64)."""
+    return torch.ldexp(torch.ones_like(a), torch.frexp(torch.maximum(a.abs(), b.abs()))[1] - 8)
+
+
+def assert_same_bits(ours, native, v_major=False, flips=0):
+    """``ours`` is ``native`` bit for bit — on the GPU always, either tile. One exception, replay's ``[BV, K]``
+    write-through tile (``v_major``) on the CPU interpreter, whose NumPy sums over the transposed view in another
+    order: float32 within one epsilon of the largest element (measured: at most 0.95 of it, as SGLang's two decode
+    kernels differ on the interpreter); bfloat16 bit for bit but for at most ``flips`` elements one bfloat16 ulp
+    apart (a float32 sum a hair either side of a rounding midpoint: measured 1 of 16 640 in a write-through
+    verify's fold, none in the decodes; callers pass ``flips`` only where a fold rounds the history)."""
+    assert ours.shape == native.shape and ours.dtype == native.dtype, (ours.shape, native.shape, ours.dtype)
+    if not (v_major and DEVICE == "cpu"):
+        assert torch.equal(ours, native), f"{ulps(ours, native)} ulps apart"
+    elif ours.dtype == torch.float32:
+        worst = float((ours.double() - native.double()).abs().max())
+        bound = torch.finfo(torch.float32).eps * float(native.double().abs().max())
+        assert worst <= bound, f"{worst / bound:.2f} float32 epsilons of the largest element (at most 1)"
+    else:
+        assert ours.dtype == torch.bfloat16, ours.dtype
+        a, b = ours.double(), native.double()
+        differ = int((a != b).sum())
+        assert ((a - b).abs() <= bf16_ulp(a, b)).all() and differ <= flips, \
+            f"{differ} elements differ, {ulps(ours, native)} ulps"
+
+
+def assert_same_outputs_but_tiling(ours, native):
+    """bfloat16 outputs of two verify tilings of the same arithmetic (one tile of columns or another; each output
+    element is the same float32 sum over K either way): bit for bit under the CPU interpreter (measured); on the
+    GPU the compiled reductions may add in another order, so the float32 values agree to float32 rounding and
+    their bfloat16 roundings by at most one bfloat16 ulp — plus, for outputs near zero, float32
+    rounding (2**-20) of the largest output."""
+    assert ours.shape == native.shape and ours.dtype == native.dtype, (ours.shape, native.shape, ours.dtype)
+    if DEVICE == "cpu":
+        assert torch.equal(ours, native), f"{ulps(ours, native)} ulps apart"
+        return
+    a, b = ours.double(), native.double()
+    bound = bf16_ulp(a, b) + 2.0 ** -20 * float(b.abs().max())
+    assert ((a - b).abs() <= bound).all(), f"{ulps(ours, native)} ulps apart"
 
 
 def compiled_variants(jit) -> int:
@@ -106,15 +156,28 @@ def sglang_native_round(params, x, pool, state_idx, last, family, n, d, parents=
 
 
 def sglang_accept(pool, inter, state_idx, last):
-    """SGLang's acceptance copy. Its wrapper refuses CPU tensors, so on the CPU the same copy
-    (documented: ``dst[idx[i]] = src[i, step[i]]`` where ``step[i] >= 0``) is done in torch; it moves
-    bits and computes nothing, so bit-identity is unaffected."""
+    """SGLang 0.5.14's acceptance copy, ``pool[state_idx[i]] = inter[i, last[i]]`` where ``last[i] >= 0`` (and
+    the slot is in range: padding rows' -1 is skipped by the kernel's bounds check), by SGLang's own kernel.
+    On CUDA through its wrapper ``fused_mamba_state_scatter_with_mask``; the wrapper refuses CPU tensors, so on
+    the CPU its Triton kernel ``_fused_mamba_state_scatter_with_mask_kernel`` is launched directly (under the
+    interpreter) with the wrapper's grid and arguments: one layer (``pool[None]``, ``inter[None]``)."""
+    dst, src = pool[None], inter[None]
     if pool.is_cuda:
-        fused_mamba_state_scatter_with_mask(pool[None], inter[None], state_idx, last)
+        fused_mamba_state_scatter_with_mask(dst, src, state_idx, last)
         return
-    for i in range(last.shape[0]):
-        if last[i] >= 0 and state_idx[i] >= 0:
-            pool[state_idx[i]] = inter[i, last[i]]
+    # as the wrapper, from its `total_requests = ...` on (SGLang 0.5.14), bar the CUDA check
+    total_requests = last.shape[0]
+    if total_requests == 0:
+        return
+    assert dst.is_contiguous() and src.is_contiguous() and dst.shape[2:] == src.shape[3:]
+    assert state_idx.shape == last.shape and state_idx.ndim == 1
+    elem_per_entry = dst.numel() // (dst.shape[0] * dst.shape[1])
+    block = 1024
+    grid = (total_requests, dst.shape[0], triton.cdiv(elem_per_entry, block))
+    _fused_mamba_state_scatter_with_mask_kernel[grid](
+        src, dst, state_idx.to(torch.int32).contiguous(), last.to(torch.int32).contiguous(), elem_per_entry,
+        src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), src.shape[1], src.shape[2],
+        dst.shape[1], BLOCK_SIZE=block)
 
 
 def random_tree_parents(n: int, d: int, gen: torch.Generator) -> torch.Tensor:

@@ -5,7 +5,8 @@ native baseline compact and replay are compared against (SGLang's KDA backend ha
 import pytest
 import torch
 
-from kernel_cases import DEVICE, flat_inputs, make_case, random_tree_parents, sglang_native_verify, to_device
+from kernel_cases import (DEVICE, flat_inputs, make_case, random_tree_parents, sglang_accept, sglang_native_verify,
+                          to_device)
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
 from sglang_ssm_modes.ops.native import native_verify
 from sglang_ssm_modes.reference import tree_verify
@@ -52,7 +53,7 @@ def test_kda_verify_with_activated_beta(state_dtype):
     """Kimi-Linear hands the backend sigmoid(b) in extend/verify mode: our KDA native verify takes it
     as is, matches the reference tree verify within float tolerance, and compact commits
     bit-identically to it (the KDA baseline)."""
-    n, d, hk, hv = 5, 4, 2, 2
+    n, d, hk, hv = 6, 4, 2, 2
     params, x, pool, state_idx = make_case("kda", n, d, hk, hv, 16, 32, state_dtype, seed=23)
     parents = random_tree_parents(n, d, torch.Generator().manual_seed(24))
     o, inter = _ours(params, x, pool, state_idx, "kda", n, d, parents, beta_activated=True)
@@ -66,7 +67,8 @@ def test_kda_verify_with_activated_beta(state_dtype):
     inp["b"] = sigmoid_beta(inp["b"], torch.float32)
     rec = CompactRecordBuffers.allocate(n, d, hk, hv, 16, 32, True, torch.bfloat16, DEVICE)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
-    last = torch.tensor([3, -1, 2, 0, 1], device=DEVICE)
+    last = torch.tensor([3, -1, 2, 0, 0, 1], device=DEVICE)  # row 3 is padding (its 0 must not commit)
+    assert not real.all() and sorted(last[real.to(DEVICE)].tolist()) == list(range(-1, d)), "every accepted length"
     pool_cmp = pool.to(DEVICE).clone()
     o_cmp = compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
                            inp["b"], pool_cmp, state_idx.to(DEVICE), rec, rec_idx, is_kda=True, beta_activated=True,
@@ -75,9 +77,8 @@ def test_kda_verify_with_activated_beta(state_dtype):
                    retrieve_parent_token=parents.to(DEVICE))
     assert torch.equal(o_cmp.reshape(n, d, hv, 32)[real.to(DEVICE)], o.reshape(n, d, hv, 32)[real.to(DEVICE)])
     pool_nat = pool.to(DEVICE).clone()
-    for i in range(n):
-        if last[i] >= 0 and state_idx[i] >= 0:
-            pool_nat[state_idx[i]] = inter[i, last[i]]
+    sglang_accept(pool_nat, inter, state_idx.to(DEVICE), last)  # SGLang's acceptance scatter
+    assert not torch.equal(pool_nat, pool.to(DEVICE)), "the scatter committed something"
     assert torch.equal(pool_cmp, pool_nat)
 
 

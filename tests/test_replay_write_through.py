@@ -8,8 +8,8 @@ import torch
 import triton
 
 from interpreter_shims import sglang_fla_on_cpu
-from kernel_cases import (DEVICE, compiled_variants, flat_inputs, make_case, ring_snapshot, sglang_decode,
-                          sglang_packed_decode, to_device)
+from kernel_cases import (DEVICE, assert_same_bits, compiled_variants, flat_inputs, make_case, ring_snapshot,
+                          sglang_decode, sglang_packed_decode, to_device, ulps)
 
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
                                          replay_write_through)
@@ -37,23 +37,13 @@ def v_major(request, monkeypatch):
     return request.param
 
 
-def _assert_same_state(ours, native, v_major):
-    """The whole pool bit for bit — but for the ``[BV, K]`` tile on the CPU interpreter, whose NumPy sums over
-    the transposed view in another order: within 8 epsilons of the pool's largest element there, as SGLang's
-    two decode kernels differ on the interpreter (on the GPU: bit for bit, either tile)."""
-    if v_major and DEVICE == "cpu":
-        assert ((ours.double() - native.double()).abs() <= 8 * torch.finfo(ours.dtype).eps
-                * native.double().abs().max()).all()
-    else:
-        assert torch.equal(ours, native), _ulps(ours, native)
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv,kdim,vdim", CASES)
 def test_write_through_is_sglang_decode_bit_for_bit(family, hk, hv, kdim, vdim, state_dtype, v_major):
     """From an empty history a write-through is SGLang's decode: outputs of real rows and the whole pool bit
-    for bit (:func:`_assert_same_state`), token after token, with either state dtype and either tile; the ring
-    is not touched (no record, no cursor word)."""
+    for bit (:func:`kernel_cases.assert_same_bits`: the one allowance is float32 with the ``[BV, K]`` tile on the
+    CPU interpreter, one epsilon of the largest element), token after token, with either state dtype and either
+    tile; the ring is not touched (no record, no cursor word)."""
     n, tokens = 5, 3
     params, _, pool, state_idx = make_case(family, n, tokens, hk, hv, kdim, vdim, state_dtype, seed=71)
     x_all = random_inputs(family, n, tokens, hk, hv, kdim, vdim, torch.Generator().manual_seed(72), torch.bfloat16)
@@ -67,7 +57,7 @@ def test_write_through_is_sglang_decode_bit_for_bit(family, hk, hv, kdim, vdim, 
         want = sglang_decode(params, x, native, state_idx, family, n)
         got = _decode(params, x, family, n, ours, state_idx, ring, rec_idx, write_through=True)
         assert torch.equal(got[0][real], want[0][real]), t
-        _assert_same_state(ours, native, v_major)
+        assert_same_bits(ours, native, v_major)
     assert all(torch.equal(before[name], buf) for name, buf in ring.buffers().items())
 
 
@@ -101,9 +91,10 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
     """Requests with 0 .. L records (output-only decodes of subsets of the batch, one folding on the way), then
     steps that switch between write-through and output-only. Per write-through: the history folded and the
     token applied in one launch — float32: SGLang's decode of every token so far, outputs and state bit for
-    bit (:func:`_assert_same_state`), either tile; either dtype: the float64 reference (fold, then the token,
-    rounded once) within a rounding — and the cursor emptied (count 0; phase flipped and one more fold counted where there were records; nothing changed
-    where there were none), records and faults untouched, padding rows and other slots untouched."""
+    bit (:func:`kernel_cases.assert_same_bits`), either tile; either dtype: the float64 reference (fold, then the
+    token, rounded once) within a rounding — and the cursor emptied (count 0; phase flipped and one more fold
+    counted where there were records; nothing changed where there were none), records and faults untouched,
+    padding rows and other slots untouched."""
     n, L, kda = 6, 4, family == "kda"
     params, _, pool, state_idx = make_case(family, n, 1, hk, hv, kdim, vdim, state_dtype, seed=73)
     gen = torch.Generator().manual_seed(74)
@@ -143,7 +134,7 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
         assert (ring.tickets == 0).all(), "every ticket taken back"
         if state_dtype == torch.float32:
             assert torch.equal(got[0, live], want[0, live])
-            _assert_same_state(ours, native, v_major)
+            assert_same_bits(ours, native, v_major)
         for j in live:  # the reference from the same checkpoint: one rounding apart
             i, s = rows[j], int(state_idx[rows[j]])
             o_ref, h_ref = write_through(checkpoints[s:s + 1].cpu(), _records(pending[i], params), _row(x, j), params,
@@ -158,12 +149,6 @@ def test_write_through_folds_the_pending_history_first(family, hk, hv, kdim, vdi
     assert mixed >= 2, "write-throughs of requests with and without records in one batch"
     unused = [s for s in range(pool.shape[0]) if s not in state_idx[real].tolist()]
     assert torch.equal(ours[unused], pool.to(DEVICE)[unused])
-
-
-def _ulps(a, b):
-    """The most units in the last place two same-dtype tensors differ by (their bit patterns as integers)."""
-    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
-    return int((a.view(ints).long() - b.view(ints).long()).abs().max())
 
 
 def _row(x, j):
@@ -306,7 +291,7 @@ def test_write_through_at_real_shapes_on_the_gpu(family, hk, hv, state_dtype, v_
         assert (ring.count[real.to(DEVICE)] == 0).all() and (ring.tickets == 0).all()
         assert torch.equal(ring.phase, torch.where(had, 1 - phases, phases))
         assert torch.equal(ring.folds, folds + had.to(torch.int32))
-        diffs = dict(generic=_ulps(ours, native), packed=_ulps(served, packed))
+        diffs = dict(generic=ulps(ours, native), packed=ulps(served, packed))
         print(f"{n} requests: ulps against SGLang's decode kernels {diffs}")  # shown by -rA
         if state_dtype == torch.float32:
             assert torch.equal(got[0, real.to(DEVICE)], want[0, real.to(DEVICE)]) and torch.equal(ours, native), diffs

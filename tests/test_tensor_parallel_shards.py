@@ -146,7 +146,9 @@ def test_compact_on_a_head_shard_is_the_slice_of_the_unsharded_run(family, hk, h
     """Compact verify + commit per rank: outputs, committed state and records are the unsharded slice."""
     n, d = 5, 3
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, KD, VD, torch.float32, seed=82)
-    last = torch.tensor([2, -1, 0, 1, 2], dtype=torch.int64)  # every accepted length; row 2 is padding
+    last = torch.tensor([2, -1, 0, 0, 1], dtype=torch.int64)  # row 2 is padding (its 0 must not commit)
+    real = state_idx >= 0
+    assert not real.all() and sorted(last[real].tolist()) == list(range(-1, d)), "every accepted length, real rows"
     o, full_pool, rec = _compact_round(family, params, x, pool.to(DEVICE).clone(), state_idx, last, hk, hv)
     for rank in range(tp):
         p_rank, x_rank, v_heads, k_heads = _shard(family, params, x, hk, hv, tp, rank)
