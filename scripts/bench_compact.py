@@ -49,15 +49,17 @@ def verify_path(tile, prefetch: bool = False) -> str:
 
 
 def parse_tile(item: str):
-    """``BVxWARPS`` or ``native`` (SGLang's tiling), optionally ``:prefetch`` -> ``(tile or None, prefetch)``."""
+    """``BVxWARPS`` or ``native`` (SGLang's tiling), optionally ``:prefetch`` / ``:noprefetch`` (each token's inputs
+    loaded during the previous token's step, or not; without either, as served) -> ``(tile or None, prefetch or
+    None)``."""
     spec, _, option = item.lower().partition(":")
-    if option not in ("", "prefetch"):
+    if option not in ("", "prefetch", "noprefetch"):
         raise ValueError(item)
     tile = None if spec == "native" else tuple(int(v) for v in spec.split("x"))
     if tile is not None and (len(tile) != 2 or tile[0] & (tile[0] - 1) or tile[1] & (tile[1] - 1)
                              or not 1 <= tile[1] <= 8):
         raise ValueError(item)
-    return tile, option == "prefetch"
+    return tile, {"": None, "prefetch": True, "noprefetch": False}[option]
 
 
 def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
@@ -66,7 +68,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
 
     from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
     from sglang_ssm_modes.ops.native import native_verify
-    from sglang_ssm_modes.ops.verify_window import verify_window
+    from sglang_ssm_modes.ops.verify_window import served_prefetch, verify_window
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -103,12 +105,15 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
         native_verify_only(r)
         native_accept(r)
 
-    def compact_verify_with(tile, prefetch=False):
+    def compact_verify_with(tile, prefetch=None):
         args = (x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool)
-        if not prefetch:  # as served
+        if prefetch is None:  # as served
             return lambda r: compact_verify(*args, groups[r], rec, rec_idx, is_kda=is_kda, tile=tile)
         return lambda r: verify_window(*args, groups[r], is_kda=is_kda, records=rec, record_indices=rec_idx,
-                                       tile=tile, prefetch=True)
+                                       tile=tile, prefetch=prefetch)
+
+    def prefetches(tile, prefetch=None):  # what a verify of this tile ran: served (None) or as asked
+        return served_prefetch(is_kda, tile or (min(V, 32), 1), sd) if prefetch is None else prefetch
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)
@@ -133,12 +138,13 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
          compact_bytes),
     ]
     for variant, tile in served_verifies().items():
-        path = verify_path(tile)
+        path = verify_path(tile, prefetches(tile))
         cases += [("spec_round", "ours-compact", variant, path + "+compact_commit", compact_round_with(tile), 3,
                    act_bytes + out_bytes + rec_bytes * (1 + mean_accept / d), compact_bytes),
                   ("verify", "ours-compact", variant, path, compact_verify_with(tile), 1,
                    act_bytes + out_bytes + rec_bytes, compact_bytes)]
-    cases += [("verify", "ours-compact", "tile", verify_path(tile, prefetch), compact_verify_with(tile, prefetch), 1,
+    cases += [("verify", "ours-compact", "tile", verify_path(tile, prefetches(tile, prefetch)),
+               compact_verify_with(tile, prefetch), 1,
                act_bytes + out_bytes + rec_bytes, compact_bytes) for tile, prefetch in tiles]
     rows = []
     for op, impl, variant, path, fn, states, extra, per_req in cases:
@@ -213,8 +219,9 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     p.add_argument("--verify-tiles", nargs="*", default=[],
                    help="extra compact verify tilings timed beside the served ones (exact: native's 32x1, fast: "
-                        "FAST_VERIFY_TILE): BVxWARPS or native, each optionally :prefetch (each token's inputs loaded "
-                        "during the previous token's step), e.g. 32x2 8x1 native:prefetch 16x1:prefetch")
+                        "FAST_VERIFY_TILE): BVxWARPS or native, each optionally :prefetch / :noprefetch (each token's "
+                        "inputs loaded during the previous token's step, or not; else as served), e.g. 32x2 8x1 "
+                        "native:noprefetch 16x1:prefetch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -223,7 +230,8 @@ def main(argv=None) -> int:
     try:
         tiles = [parse_tile(t) for t in args.verify_tiles]
     except ValueError:
-        p.error(f"--verify-tiles takes BVxWARPS (powers of two, WARPS 1..8) or native, optionally :prefetch, "
+        p.error(f"--verify-tiles takes BVxWARPS (powers of two, WARPS 1..8) or native, optionally :prefetch or "
+                f":noprefetch, "
                 f"got {args.verify_tiles}")
     from tqdm import tqdm
 

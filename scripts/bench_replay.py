@@ -78,7 +78,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
                                              replay_verify, replay_write_through, replay_write_through_verify)
     from sglang_ssm_modes.ops.replay.decode import serves_write_through
-    from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel, serves_write_through_verify
+    from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_VERIFY_PREFETCH, replay_write_through_kernel,
+                                                          serves_write_through_verify)
     from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel, served_launches)
 
@@ -147,9 +148,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def fused_path(variant):  # what a timed step of the variant runs
         if writes_through(variant):
             tile = {key: value for key, value in variant.items() if key != "write_through"}
-            if d > 1:
+            if d > 1:  # what ran: the served prefetch unless the variant sets one
+                tile.setdefault("prefetch", WRITE_THROUGH_VERIFY_PREFETCH[family])
                 return (f"replay_write_through_verify[write-through](fold, checkpoint written, cursor emptied, "
-                        f"window from the checkpoint, records{', ' + str(tile) if tile else ''})+advance(window={d})")
+                        f"window from the checkpoint, records, {tile})+advance(window={d})")
             tile.pop("prefetch", None)  # a decode has no draft tokens to prefetch: not part of what ran
             return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
                     f"{', ' + str(tile) if tile else ''})")
@@ -296,22 +298,24 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["write_through"] = opt == "through"
             elif opt in ("vk", "kv"):
                 kw["v_major"] = opt == "vk"
-            elif opt == "prefetch":
-                kw["prefetch"] = True
+            elif opt in ("prefetch", "noprefetch"):
+                kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
-                             ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch (a write-through "
-                             "verify loading each draft token's inputs during the previous token's step)")
+                             ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
+                             "write-through verify loading each draft token's inputs during the previous token's "
+                             "step, or not; else as served)")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
             if others:
                 parser.error(f"--variants {value}: {others} tile the output-only path; a write-through takes a "
                              "tiling (BVxW), :sN and :vk / :kv (e.g. served:through:vk, 64x2:through)")
         elif "v_major" in kw or "prefetch" in kw:
-            parser.error(f"--variants {value}: :vk / :kv / :prefetch apply to a write-through: add :through")
+            parser.error(f"--variants {value}: :vk / :kv / :prefetch / :noprefetch apply to a write-through: add "
+                         ":through")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))

@@ -102,7 +102,7 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
                             prefetch: bool = False) -> tuple[int, int]:
     """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
     a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
-    activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (not served)."""
+    activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (served for KDA)."""
     from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
                                                            replay_write_through_kernel)
 

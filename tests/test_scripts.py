@@ -27,7 +27,7 @@ def test_bench_compact_refuses_to_run_without_a_gpu():
 
 
 @pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--verify-tiles", "16x16"],
-                                 ["--verify-tiles", "16x1:noprefetch"], ["--verify-tiles", "natives"], ["--batches", "0"]])
+                                 ["--verify-tiles", "16x1:prefetched"], ["--verify-tiles", "natives"], ["--batches", "0"]])
 def test_bench_compact_validates_arguments(bad, monkeypatch):
     monkeypatch.setattr(bench_compact.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exc:
@@ -36,8 +36,9 @@ def test_bench_compact_validates_arguments(bad, monkeypatch):
 
 
 def test_bench_compact_tile_items():
-    assert bench_compact.parse_tile("16x1") == ((16, 1), False)
+    assert bench_compact.parse_tile("16x1") == ((16, 1), None)  # as served
     assert bench_compact.parse_tile("native:prefetch") == (None, True)
+    assert bench_compact.parse_tile("16x1:noprefetch") == ((16, 1), False)
     assert bench_compact.verify_path(None, True) == "verify_window(records,native-tile,prefetch)"
     assert bench_compact.verify_path((16, 1)) == "verify_window(records,BV16xW1)"
 

@@ -60,7 +60,9 @@ WRITE_THROUGH_VERIFY_SPEED = {
     ("kda", 4): "1.48-1.92x native at every batch measured",
     ("gdn", 2): "1.00-1.21x native at every batch measured",
     ("kda", 2): ("0.97-1.13x native at 1 request, 0.85-0.99x from 8 (a 2-byte state halves native's bytes, not "
-                 "the records'; for speed pass --mamba-ssm-dtype float32)"),
+                 "the records'; for speed pass --mamba-ssm-dtype float32); since then loading each draft token's "
+                 "inputs a step ahead, 1.12 / 1.05 / 1.06x at 1 / 16 / 256 requests, L = 16, D = 4 "
+                 "(bench/results/prefetch_20261206, H100)"),
 }
 """A speculative round (verify + acceptance) written through, against native, per ``(family, state bytes)`` (a
 steady write-through folds only the last round's records, so one figure for every L)."""

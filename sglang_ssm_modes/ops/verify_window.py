@@ -160,7 +160,7 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   retrieve_parent_token: torch.Tensor | None = None, beta_activated: bool = False,
                   scale: float | None = None, softplus_beta: float = 1.0,
                   softplus_threshold: float = 20.0, tile: tuple[int, int] | None = None,
-                  prefetch: bool = False) -> torch.Tensor:
+                  prefetch: bool | None = None) -> torch.Tensor:
     """Verify a window; arguments as SGLang's ``fused_sigmoid_gating_delta_rule_update``
     (``q, k`` ``[1, T_all, HK, K]``, ``v`` ``[1, T_all, HV, V]``, ``a``, ``b``, the state pool
     ``[slots, HV, V, K]`` and per-request ``state_indices``). With ``cu_seqlens`` None every request
@@ -173,11 +173,8 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     stored: the records are exact copies of the inputs whatever the tiling, the outputs then differ
     from native's in the last bits (another reduction order). Stored states always use the native
     tiling, which their bit-identity needs. ``prefetch``: load each token's inputs during the previous token's
-    step (the kernel's ``PREFETCH``) instead of at the top of its own — the same bits; not served until timed:
-    compiled for sm_90a it holds the next token's inputs live through a step (chain, 1 warp, float32 state: GDN
-    209 registers a thread at BV 16 against 128, 254 at BV 32 against 168; KDA 203 against 128 at BV 16;
-    ``scripts/kernel_registers.py --verify-window [--prefetch]``), fewer warps a multiprocessor against less
-    latency per step.
+    step (the kernel's ``PREFETCH``) instead of at the top of its own — the same bits; None: as served
+    (:func:`served_prefetch`).
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -201,6 +198,8 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     o = q.new_empty(1, t_all, hv, vdim)
     parents = retrieve_parent_token
     tree = parents is not None
+    if prefetch is None:
+        prefetch = steps is None and not tree and served_prefetch(is_kda, (BV, num_warps), ssm_states.dtype)
     rec = records
     grid = (triton.cdiv(vdim, BV), n * hv)
     verify_window_kernel[grid](
@@ -215,3 +214,23 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         WRITE_RECORDS=rec is not None, WRITE_STEPS=steps is not None, PREFETCH=prefetch, num_warps=num_warps,
         num_stages=3)
     return o
+
+
+SERVED_PREFETCH = {("gdn", (32, 1), 4): True, ("gdn", (32, 1), 2): True, ("kda", (32, 1), 2): True,
+                   ("gdn", (16, 1), 4): True}
+"""Where a chain verify of records (compact's; ``(BV, num_warps)`` tiling, state bytes) loads each token's inputs
+during the previous token's step: where that was faster in the one run that timed both side by side (H100,
+bench/results/prefetch_20261206, commit 4798d3d, D = 4, verify alone at batch 1 / 64 / 256): native's tiling
+GDN float32 1.15 / 1.10 / 1.05x, bfloat16 1.14 / 1.08 / 1.03x, KDA bfloat16 1.07 / 1.09 / 1.06x; 16 columns GDN
+float32 1.08 / 1.12 / 1.08x. Not where it was slower: native's tiling KDA float32 1.00 / 0.97 / 0.88x; 16
+columns GDN bfloat16 0.84-0.92x, KDA 0.87-1.13x. Compiled for sm_90a the loads ahead hold the next token's
+inputs live through a step (chain, 1 warp, float32 state: GDN 209 registers a thread at BV 16 against 128, 254
+at BV 32 against 168; ``scripts/kernel_registers.py --verify-window [--prefetch]``): fewer warps a multiprocessor
+against less latency per step. Trees, stored states (native's KDA verify) and other tilings: not timed, off."""
+
+
+def served_prefetch(is_kda: bool, tile: tuple[int, int], state_dtype: torch.dtype) -> bool:
+    """Whether a served chain verify of records at this ``(BV, num_warps)`` tiling and state dtype loads each
+    token's inputs one step ahead (:data:`SERVED_PREFETCH`)."""
+    return SERVED_PREFETCH.get(("kda" if is_kda else "gdn", tuple(tile), state_dtype.itemsize), False)
+

@@ -219,7 +219,7 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
                                 state_indices: torch.Tensor, ring: ReplayRing, record_indices: torch.Tensor, *,
                                 is_kda: bool, beta_activated: bool = False, scale: float | None = None,
                                 v_major: bool | None = None, block_v: int | None = None, num_warps: int = 1,
-                                num_stages: int = 3, prefetch: bool = False) -> torch.Tensor:
+                                num_stages: int = 3, prefetch: bool | None = None) -> torch.Tensor:
     """Write-through chain verify of ``N = len(state_indices)`` requests, ``T = T_all / N`` draft tokens each
     (inputs as :func:`~.verify.replay_verify`, ``T <= L``): each real request's history folded into its
     checkpoint (written, cursor emptied, where it had records), its window's outputs computed from there in
@@ -227,8 +227,10 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
     sync, no allocation but ``o``. The acceptance that follows is replay's:
     ``advance(ring, record_indices, accepted, window=T)`` (the cursor is empty, no fold to settle). Tile
     keywords as :func:`replay_write_through`; ``prefetch``: each draft token's inputs loaded one step ahead (the
-    kernel's ``PREFETCH``; the same bits; not served until timed: 255 registers a thread against 229 (GDN) and
-    247 (KDA) compiled for sm_90a, ``scripts/kernel_registers.py --write-through [--prefetch]``). Returns ``o`` ``[1, T_all, HV, V]``."""
+    kernel's ``PREFETCH``; the same bits), None as served (:data:`WRITE_THROUGH_VERIFY_PREFETCH`). Returns ``o``
+    ``[1, T_all, HV, V]``."""
+    if prefetch is None:
+        prefetch = WRITE_THROUGH_VERIFY_PREFETCH["kda" if is_kda else "gdn"]
     t_all, n = k.shape[1], state_indices.shape[0]
     if n == 0 or t_all % n:
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
@@ -238,6 +240,13 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
     return _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, True, is_kda,
                    beta_activated, scale, False, v_major, block_v, num_warps, num_stages, prefetch)
 
+
+WRITE_THROUGH_VERIFY_PREFETCH = {"gdn": False, "kda": True}
+"""Whether a served write-through verify loads each draft token's inputs one step ahead (the first while the fold
+runs), per family: where that was faster in the one run that timed both side by side (H100,
+bench/results/prefetch_20261206, commit 4798d3d, L = 16, D = 4, a round at batch 1 / 16 / 256): KDA bfloat16
+1.11 / 1.08 / 1.23x (0.86x native at 256 becomes 1.06x), float32 1.02 / 1.04 / 1.03x; GDN 0.96-1.00x (not
+taken). Registers a thread there (sm_90): KDA 237 -> 239 (bfloat16), 228 -> 239 (float32); GDN 211 -> 229."""
 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
