@@ -68,7 +68,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
 
     from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
     from sglang_ssm_modes.ops.native import native_verify
-    from sglang_ssm_modes.ops.verify_window import served_prefetch, verify_window
+    from sglang_ssm_modes.ops.verify_window import native_tile, served_prefetch, verify_window
 
     sd = DTYPES[dtype_name]
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
@@ -113,7 +113,7 @@ def bench_case(family, dtype_name, batch, d, copy_bw, tiles):
                                        tile=tile, prefetch=prefetch)
 
     def prefetches(tile, prefetch=None):  # what a verify of this tile ran: served (None) or as asked
-        return served_prefetch(is_kda, tile or (min(V, 32), 1), sd) if prefetch is None else prefetch
+        return served_prefetch(is_kda, tile or native_tile(V), sd) if prefetch is None else prefetch
 
     def compact_commit_only(r):
         compact_commit(pool, groups[r], rec, rec_idx, last, is_kda=is_kda)

@@ -191,8 +191,9 @@ def main(argv=None) -> int:
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
     if args.verify_window is not None:
         from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
+        from sglang_ssm_modes.ops.verify_window import native_tile
 
-        tiles = parse_tilings(p, args.verify_window) if args.verify_window else [(32, 1), FAST_VERIFY_TILE]
+        tiles = parse_tilings(p, args.verify_window) if args.verify_window else [native_tile(V), FAST_VERIFY_TILE]
         print("| family | state | D | tile | chain regs / spills | tree regs / spills |\n|---|---|---|---|---|---|")
         for fam, dt, (bv, warps) in itertools.product(args.families, args.state_dtypes, tiles):
             res = [verify_window_resources(fam, dt, args.draft_tokens, tree, (bv, warps), args.prefetch)

@@ -13,8 +13,9 @@ Hooks:
   mode's pool and its sizing; ``MambaCheckpointPool.store_from_active`` / ``load_to_active``: int8
   radix-cache checkpoints of the canonical state; ``ScheduleBatch.prepare_for_prebuilt`` (PD decode): the
   slots a transfer has just filled start with an empty history; ``MambaComponent.build_hicache_transfers``
-  / ``commit_hicache_transfer`` (HiCache, which ``UnifiedRadixCache`` serves for these models): a tree slot holds the canonical state when its backup to the host
-  starts, and a slot the host restored starts with an empty history (:mod:`.pool_hooks`);
+  / ``commit_hicache_transfer`` (HiCache, which ``UnifiedRadixCache`` serves for these models): a tree slot
+  holds the canonical state when its backup to the host starts, and a slot the host restored starts with an
+  empty history (:mod:`.pool_hooks`);
 * ``GDNAttnBackend`` / ``KDAAttnBackend`` ``forward_decode`` / ``forward_extend`` and
   ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``: the mode's kernels and commit
   (:mod:`.backend_hooks`);

@@ -152,6 +152,12 @@ def verify_window_kernel(
         tl.store(p_o + t * HV * V, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
 
+def native_tile(vdim: int) -> tuple[int, int]:
+    """``(BV, num_warps)`` of SGLang's verify tiling for ``vdim`` value columns: up to 32 columns a program, one
+    warp."""
+    return min(triton.next_power_of_2(vdim), 32), 1
+
+
 def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, ssm_states: torch.Tensor, state_indices: torch.Tensor, *,
                   is_kda: bool, records: CompactRecordBuffers | None = None,
@@ -187,8 +193,8 @@ def verify_window(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     d = records.draft_tokens if records is not None else (steps.shape[1] if steps is not None else width)
     if d < width:
         raise ValueError(f"buffers hold {d} tokens per request, the window has {width}")
-    BK, BV = triton.next_power_of_2(kdim), min(triton.next_power_of_2(vdim), 32)
-    num_warps = 1
+    BK = triton.next_power_of_2(kdim)
+    BV, num_warps = native_tile(vdim)
     if tile is not None:
         if steps is not None:
             raise ValueError("stored states need the native tiling: pass tile=None with steps")
