@@ -77,11 +77,20 @@ MODES = {"native": [], "compact": ["--ssm-state-mode", "compact"], "replay": ["-
 VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": ["--mamba-ssm-dtype", "bfloat16"],
             "fp32": ["--dtype", "float32"],
             "hicache": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"],
+            "hicacheevict": ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct",
+                             "--hicache-write-policy", "write_through", "--max-total-tokens", "8192",
+                             "--enable-metrics"],
             "metrics": ["--enable-metrics"], "tp2": ["--tp-size", "2"], "dp2": ["--dp-size", "2"],
             "dpattn": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
             "fastverify": ["--ssm-compact-verify", "fast"]}
 """``hicache``: SGLang 0.5.14's host mamba pool takes only the ``page_first_direct`` layout (its default,
-``page_first``, is refused at startup in every mode). ``fp32`` runs the whole model in float32: with bfloat16
+``page_first``, is refused at startup in every mode). ``hicacheevict``: HiCache with a device KV pool of 8192
+tokens; between generation and teacher forcing, :func:`evict_to_host` sends enough other prompts that the
+cached prefixes leave the device, so teacher forcing loads them back from the host — in replay, the states a
+slot backed up (folded first) and slots a load filled (history emptied): ``pool_hooks``. With ``extra_buffer``
+only prompts of 64 tokens or more leave a prefix to load (``--prompt-len 64``). The server's
+``sglang:load_back_tokens_total`` must show a load, else the configuration is reported failed.
+``fp32`` runs the whole model in float32: with bfloat16
 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there.
 ``tp2`` / ``dp2`` / ``dpattn``: two GPUs (:data:`PARALLEL_GPUS`), judged against the native server of the same
@@ -213,6 +222,42 @@ def generate(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[list[
                     "gaps": [t[0][0] - t[1][0] if t and len(t) > 1 else float("inf") for t in top],
                     "verify_ct": meta.get("spec_verify_ct"), "completion_tokens": meta.get("completion_tokens")})
     return out, wall
+
+
+EVICT_PROMPTS = 160
+"""Other prompts :func:`evict_to_host` sends: 160 x (64 + 4) = 10 880 tokens, more than the ``hicacheevict``
+variant's device KV pool of 8192, so the oldest cached prefixes leave the device; and with those prefixes under
+the host KV pool (twice the device's: HiCache's default ratio), whose write-through backups would otherwise
+evict the oldest host copies — the ones teacher forcing is to load."""
+EVICT_PROMPT_LEN = 64
+"""Tokens of each eviction prompt. With ``extra_buffer`` (Qwen3-Next, and any speculation) SGLang 0.5.14 caches a
+finished request only up to its last tracked state: in prefill, the largest multiple of 64 (the FLA chunk) of an
+extend of at least 64 tokens (``schedule_batch.py``), in decode every 256 tokens. A shorter prompt leaves
+nothing in the tree, so it evicts nothing (seen: 40-token prompts, 0 tokens evicted)."""
+
+
+def evict_to_host(url: str, vocab: int) -> None:
+    """Push the prefixes cached so far out of the device pool (HiCache keeps them on the host): prompts
+    never seen before, 32 at a time, 4 new tokens each."""
+    fillers = make_prompts(EVICT_PROMPTS, EVICT_PROMPT_LEN, vocab, seed=4)
+    for i in range(0, len(fillers), MAX_CONCURRENCY):
+        generate(url, [f[:EVICT_PROMPT_LEN] for f in fillers[i:i + MAX_CONCURRENCY]], 4)
+
+
+def counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each named Prometheus counter of a ``/metrics`` page, summed over its label sets."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+HICACHE_COUNTERS = ("sglang:evicted_tokens_total", "sglang:load_back_tokens_total",
+                    "sglang:ssm_state_materialised_total")
+"""What a ``hicacheevict`` row records: SGLang's device-to-host evictions and host-to-device loads (tokens) and
+our requests whose replay state was materialised for a copy or transfer (HiCache's backups among them)."""
 
 
 def teacher_forced(url: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
@@ -376,7 +421,14 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         base = native_tokens or [g["tokens"] for g in gen]
         extra = make_prompts(len(prompts), 16, vocab, seed=2)
         seqs = [p + b + e for p, b, e in zip(prompts, base, extra)]
+        if "hicacheevict" in cfg["variants"]:
+            evict_to_host(server.url, vocab)
         row["gen"], row["tf"] = gen, teacher_forced(server.url, seqs, [len(p) for p in prompts])
+        if "hicacheevict" in cfg["variants"]:
+            row["hicache"] = counters(_get(server.url + "/metrics", timeout=30).decode(), HICACHE_COUNTERS)
+            if not row["hicache"]["sglang:load_back_tokens_total"]:
+                raise RuntimeError(f"HiCache loaded nothing back from the host ({row['hicache']}): the "
+                                   "hicacheevict variant did not reach the load it exists to test")
         tokens = sum(len(g["tokens"]) for g in gen)
         verify = [g["verify_ct"] for g in gen if g["verify_ct"]]
         row["speed"] = {"output_tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
@@ -394,7 +446,7 @@ def run_config(name: str, cfg: dict, args, port: int, native_tokens: list[list[i
         row["log_lines"] = [line for line in log_text
                             if "sglang-ssm-modes" in line or "Mamba Cache is allocated" in line][-6:]
         row["fault_lines"] = [line for line in log_text if "sglang-ssm-modes: request" in line][-20:]
-        if "metrics" in cfg["variants"]:
+        if {"metrics", "hicacheevict"} & set(cfg["variants"]):
             row["ssm_metrics"] = ssm_metrics(_get(server.url + "/metrics", timeout=30).decode())
     except Exception as e:  # reported in the row; the run goes on with the next server
         row["error"] = f"{type(e).__name__}: {e}"[-3000:]
@@ -502,7 +554,7 @@ def table_rows(configs: list[dict]) -> list[dict]:
                 "history": c["history"], "spec": spec, "topk": topk,
                 "draft_tokens": 1 if spec == "none" else info.get("speculative_num_draft_tokens"),
                 "cuda_graph": "nograph" not in c["variants"], "radix_cache": "noradix" not in c["variants"],
-                "hicache": "hicache" in c["variants"],
+                "hicache": bool({"hicache", "hicacheevict"} & set(c["variants"])),
                 "state_dtype": "bfloat16" if "bf16" in c["variants"] else "float32",
                 "activation_dtype": "float32" if "fp32" in c["variants"] else "bfloat16",
                 "tp": info.get("tp_size", 1), "dp": info.get("dp_size", 1), "concurrency": s["concurrency"],

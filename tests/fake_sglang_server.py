@@ -6,7 +6,9 @@
 
 Greedy tokens and log-probabilities are a deterministic function of the input ids. BEHAVIOUR:
 ``exact`` (as native), ``noisy`` (log-probs off by 1e-6), ``tie`` (diverges where the top-2 gap is a
-near-tie), ``wrong`` (diverges where it is not), ``crash`` (exits before answering).
+near-tie), ``wrong`` (diverges where it is not), ``crash`` (exits before answering), ``hicache`` (as
+native, and its ``/metrics`` counts host loads: the teacher-forced requests that follow 160 short ones, as
+if those had pushed the cached prefixes to the host), ``hicachenoload`` (as ``hicache``, never loading).
 """
 
 import json
@@ -15,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT, BEHAVIOUR = int(sys.argv[1]), sys.argv[2]
 VOCAB = 97
+SEEN = {"short": 0, "loads": 0}  # requests of 4 new tokens; teacher-forced ones after 160 of them
 
 
 def next_token(ids):
@@ -38,7 +41,16 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        if "server_info" in self.path:
+        if self.path.startswith("/metrics"):
+            page = (f'sglang:load_back_tokens_total{{model_name="m",tp_rank="0"}} {40.0 * SEEN["loads"]}\n'
+                    f'sglang:evicted_tokens_total{{model_name="m",tp_rank="0"}} {68.0 * SEEN["short"]}\n')
+            data = page.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif "server_info" in self.path:
             self._send({"max_total_num_tokens": 65536, "max_running_requests": 32, "tp_size": 1, "dp_size": 1,
                         "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "version": "0.5.14",
                         "internal_states": [{"effective_max_running_requests_per_dp": 40}]})
@@ -64,6 +76,9 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             return
         ids, start = list(req["input_ids"]), req.get("logprob_start_len", 0)
+        new_tokens = req["sampling_params"]["max_new_tokens"]
+        SEEN["short"] += new_tokens == 4
+        SEEN["loads"] += new_tokens == 1 and SEEN["short"] >= 160 and BEHAVIOUR == "hicache"
         input_lp = [[None, ids[0], None]] + [[logprob(ids[:i], ids[i]), ids[i], None] for i in range(1, len(ids))]
         out, out_lp, top = [], [], []
         for step in range(req["sampling_params"]["max_new_tokens"]):

@@ -120,6 +120,30 @@ def test_parallel_layouts_are_judged_against_native_of_the_same_layout(fake_serv
             for v in ("", "-tp2", "-dp2", "-dpattn")] == [1, 2, 2, 2]
 
 
+def test_hicache_eviction_variant_must_load_from_the_host(fake_servers, monkeypatch):
+    """``hicacheevict``: the prefixes are pushed out before teacher forcing and the row records the server's
+    host loads; a server that loaded nothing back fails the configuration (the variant missed its point)."""
+    out = fake_servers
+    behaviour = {"native": "hicache", "replay": "hicache", "compact": "hicachenoload"}
+    monkeypatch.setattr(e2e_servers, "server_argv", lambda cfg, model_dir, port: [
+        sys.executable, str(FAKE), str(port), behaviour[cfg["mode"]]])
+    configs = ["qwen3-next-native-nextn-hicacheevict", "qwen3-next-replay-L16-nextn-hicacheevict",
+               "qwen3-next-compact-nextn-hicacheevict"]
+    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs,
+                           "--prompts", "3", "--new-tokens", "8", "--concurrency", "2", "--port", "31990",
+                           "--start-timeout", "60"])
+    assert rc == 1
+    report = json.loads((out / "e2e_h200.json").read_text())
+    rows = {r["name"]: r for r in report["configs"]}
+    replay = rows["qwen3-next-replay-L16-nextn-hicacheevict"]
+    assert replay["hicache"]["sglang:load_back_tokens_total"] == 3 * 40  # the three teacher-forced prefixes
+    assert replay["hicache"]["sglang:evicted_tokens_total"] == e2e_servers.EVICT_PROMPTS * 68
+    assert replay["parity"]["greedy_agreement"] == 1.0 and "error" not in replay
+    assert "loaded nothing back" in rows["qwen3-next-compact-nextn-hicacheevict"]["error"]
+    assert all(r["hicache"] for r in report["rows"] if r["config"] == "qwen3-next-replay-L16-nextn-hicacheevict")
+    assert "--max-total-tokens" in e2e_servers.VARIANTS["hicacheevict"]
+
+
 def test_arguments_are_validated():
     for argv, message in ((["--configs", "nope"], "unknown configuration"), (["--prompts", "0"], "--prompts"),
                           (["--concurrency", "1", "64"], "--concurrency")):
