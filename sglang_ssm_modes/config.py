@@ -68,13 +68,15 @@ class SSMModeConfig:
     * ``mode``: ``"native"`` (SGLang as is), ``"compact"`` (state + D raw-input records) or
       ``"replay"`` (checkpoint + a ring of 2·L records + cursor).
     * ``replay_history``: L, the history a replay window may hold before it is folded; one of
-      ``REPLAY_HISTORIES``. Only used by ``replay``; it must be at least ``draft_tokens``.
+      ``REPLAY_HISTORIES``. Only used by ``replay``; it must be at least ``draft_tokens`` for a chain verify
+      (a tree verify folds the history and runs on compact's records: any L).
     * ``draft_tokens``: D = ``--speculative-num-draft-tokens``, the verify width with the base
       token included; 1 means no speculative decoding.
     * ``state_dtype``: dtype of the stored state S (``--mamba-ssm-dtype``).
     * ``activation_dtype``: dtype of the raw k / v recorded by compact and replay (the model dtype).
     * ``compact_verify``: compact's verify tiling, one of ``COMPACT_VERIFIES``; ``"fast"`` only with
       ``compact``.
+    * ``tree_verify``: the verify is a tree (EAGLE top-k > 1, NGRAM breadth > 1), not a chain.
 
     Dtypes may be given as ``torch.dtype`` or by name (``"bfloat16"``); they are stored as
     ``torch.dtype``.
@@ -86,6 +88,7 @@ class SSMModeConfig:
     state_dtype: torch.dtype = torch.float32
     activation_dtype: torch.dtype = torch.bfloat16
     compact_verify: str = "exact"
+    tree_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,12 +108,13 @@ class SSMModeConfig:
                 f"{FLAG_HISTORY} {length!r} is not a supported history length; pass "
                 f"{FLAG_HISTORY} with one of: " + ", ".join(str(x) for x in REPLAY_HISTORIES)
             )
-        if self.mode == "replay" and length < d:
+        if self.mode == "replay" and length < d and not self.tree_verify:
             fits = [x for x in REPLAY_HISTORIES if x >= d]
             fix = (
                 f"pass {FLAG_HISTORY} {fits[0]} or larger"
                 if fits
-                else f"reduce {FLAG_DRAFT} to {REPLAY_HISTORIES[-1]} or less"
+                else f"reduce {FLAG_DRAFT} to {REPLAY_HISTORIES[-1]} or less (EAGLE / NEXTN chains: "
+                f"--speculative-num-steps to {REPLAY_HISTORIES[-1] - 1} or less, D being steps + 1)"
             )
             raise SSMModeConfigError(
                 f"{FLAG_HISTORY} {length} is smaller than {FLAG_DRAFT} {d}: replay needs L >= D; "
@@ -138,7 +142,7 @@ class SSMModeConfig:
         its ``/server_info``; ``SSMModeConfig(**d)`` restores the configuration."""
         return {"mode": self.mode, "replay_history": self.replay_history, "draft_tokens": self.draft_tokens,
                 "state_dtype": dtype_name(self.state_dtype), "activation_dtype": dtype_name(self.activation_dtype),
-                "compact_verify": self.compact_verify}
+                "compact_verify": self.compact_verify, "tree_verify": self.tree_verify}
 
     @property
     def ring_records(self) -> int:

@@ -35,6 +35,23 @@ CASES = {  # name: (extra argv, env)
     "fast_without_compact": (["--ssm-compact-verify", "fast", *SPEC], {}),
     "fast_env_replay": (["--ssm-state-mode", "replay"], {"SGLANG_SSM_COMPACT_VERIFY": "fast"}),
     "bad_fast_env": (["--ssm-state-mode", "compact"], {"SGLANG_SSM_COMPACT_VERIFY": "quick"}),
+    # the flags override the environment before either is validated
+    "flag_native_over_env_on_llama": (["--ssm-state-mode", "native", "@llama"], {"SGLANG_SSM_STATE_MODE": "compact"}),
+    "flag_history_over_env": (["--ssm-state-mode", "replay", "--ssm-replay-history", "16", *SPEC[:2],
+                               "--speculative-num-steps", "15", "--speculative-eagle-topk", "1",
+                               "--speculative-num-draft-tokens", "16"], {"SGLANG_SSM_REPLAY_HISTORY": "8"}),
+    "flag_over_bad_env": (["--ssm-state-mode", "compact"], {"SGLANG_SSM_STATE_MODE": "Replay"}),
+    "bad_env_mode": ([], {"SGLANG_SSM_STATE_MODE": "Replay"}),
+    "env_history_too_small": (["--ssm-state-mode", "replay", *SPEC[:2], "--speculative-num-steps", "15",
+                               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "16"],
+                              {"SGLANG_SSM_REPLAY_HISTORY": "8"}),
+    "spec_without_draft": (["--ssm-state-mode", "compact", *SPEC[:2], "--speculative-num-steps", "0",
+                            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "1"], {}),
+    "replay_tree_short_history": (["--ssm-state-mode", "replay", "--ssm-replay-history", "8", *SPEC[:2],
+                                   "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                                   "--speculative-num-draft-tokens", "16"], {}),
+    "draft_flag_without_algorithm": (["--ssm-state-mode", "compact", "--speculative-num-draft-tokens", "16"], {}),
+    "bf16_state": (["--ssm-state-mode", "compact", "--mamba-ssm-dtype", "bfloat16"], {}),
 }
 
 DRIVER = textwrap.dedent("""
@@ -61,6 +78,7 @@ DRIVER = textwrap.dedent("""
             json.dumps(c)  # plain values: SGLang serialises its server args (/server_info)
             out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"],
                          "compact_verify": c["compact_verify"]}
+            out.setdefault("@state_dtype", {})[name] = c["state_dtype"]
         except SystemExit as e:
             out[name] = {"exit": e.code, "stderr": err.getvalue()[-400:]}
         except Exception as e:
@@ -105,6 +123,32 @@ def test_flags_resolve_through_prepare_server_args(results):
     assert results["compact_fast_env"]["compact_verify"] == "fast"
     assert results["fast_env_replay"]["compact_verify"] == "exact", "the environment's applies to compact only"
     assert results["replay_pd"] == {"mode": "replay", "history": 16, "draft_tokens": 1, "compact_verify": "exact"}, "replay serves PD"
+
+
+def test_flags_override_the_environment_before_either_is_checked(results):
+    """An environment value the flags override is never validated (nor refused) on its own; a bad or too
+    small one that does apply is named as the environment variable it came from."""
+    assert results["flag_native_over_env_on_llama"]["mode"] == "native"
+    assert results["flag_history_over_env"] == {"mode": "replay", "history": 16, "draft_tokens": 16,
+                                                "compact_verify": "exact"}
+    assert results["flag_over_bad_env"]["mode"] == "compact"
+    r = results["bad_env_mode"]
+    assert r["error"] == "SSMModeConfigError" and "SGLANG_SSM_STATE_MODE='Replay'" in r["message"], r
+    r = results["env_history_too_small"]
+    assert r["error"] == "SSMModeConfigError" and "came from SGLANG_SSM_REPLAY_HISTORY" in r["message"], r
+
+
+def test_verify_width_and_shape_at_startup(results):
+    """A speculative algorithm verifying no draft token is refused; a tree verify in replay needs no L >= D
+    (it runs on compact's records); a draft width without an algorithm is no verify (D = 1); the state dtype
+    reported is the pool's."""
+    r = results["spec_without_draft"]
+    assert r["error"] == "SSMModeConfigError" and "verifies no draft token" in r["message"], r
+    assert results["replay_tree_short_history"] == {"mode": "replay", "history": 8, "draft_tokens": 16,
+                                                    "compact_verify": "exact"}
+    assert results["draft_flag_without_algorithm"]["draft_tokens"] == 1
+    assert results["@state_dtype"]["bf16_state"] == "bfloat16"
+    assert results["@state_dtype"]["compact_spec"] == "float32"
 
 
 def test_bad_combinations_fail_at_startup_naming_the_flag(results):

@@ -65,6 +65,29 @@ def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkey
     assert (model.slot_bytes, model.running_bytes) == (slot, running)
 
 
+@pytest.mark.parametrize("mode", ["compact", "replay"])
+def test_a_draft_width_without_speculation_builds_no_verify(mode, monkeypatch, caplog,
+                                                            cuda_scratch_on_cpu):  # noqa: F811
+    """Without ``--speculative-algorithm`` SGLang still hands the pool the raw ``--speculative-num-draft-tokens``;
+    the mode's configuration says D = 1 (no verify), and the pool follows it: no records, no conv scratch —
+    what the sizing charged."""
+    cfg = SSMModeConfig(mode=mode, draft_tokens=1, replay_history=8)
+    original = HybridReqToTokenPool._init_mamba_pool
+    monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: cfg)
+    monkeypatch.setattr(pool_hooks, "unapplied_hooks", lambda: [])
+    monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
+                        lambda self, **kw: pool_hooks.init_mamba_pool(original, self, **kw))
+    caplog.set_level("INFO", logger=pool_hooks.logger.name)
+    pool = HybridReqToTokenPool(
+        size=5, mamba_size=9, mamba_spec_state_size=5, max_context_len=16, device="cpu", enable_memory_saver=False,
+        cache_params=gdn_params(), mamba_layer_ids=list(range(len(gdn_params().layers))),
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=16, speculative_eagle_topk=None,
+        enable_overlap_schedule=False).mamba_pool
+    slot, running = pool_hooks.mode_bytes_per_request(cfg, gdn_params(), None)
+    assert running == 0 and pool.mem_usage * GB == pytest.approx(slot * 10, rel=1e-12)
+    assert "speculative verify" not in caplog.text
+
+
 def _runner(cache_params, *, draft: int | None, max_running: int = 64, radix: bool = True):
     server_args = SimpleNamespace(
         max_mamba_cache_size=None, disable_radix_cache=not radix, max_running_requests=max_running,

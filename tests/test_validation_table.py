@@ -43,7 +43,8 @@ CHOICE_TABLE = {
     "--ssm-compact-verify": {"exact": (), "fast": ("native", "replay")},
 }
 SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
-    "hicache": (["--enable-hierarchical-cache"], (), None),
+    "hicache": (["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"], (), None),
+    "hicache_page_first": (["--enable-hierarchical-cache"], ("compact", "replay"), "--hicache-mem-layout"),
     "int8_ckpt": (["--enable-int8-mamba-checkpoint"], (), None),
     "no_overlap": (["--disable-overlap-schedule"], (), None),
     "page_16": (["--page-size", "16"], (), None),
@@ -55,12 +56,13 @@ SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
 }
 
 
-def judge(mode: str, family, argv: list[str], draft: int | None = None):
+def judge(mode: str, family, argv: list[str], draft: int | None = None, tree: bool = False,
+          config_name: str | None = None):
     """``None`` when the plugin accepts, else its error message."""
     args = parser().parse_args(["--model-path", "m", "--ssm-state-mode", mode, *argv])
     try:
-        cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=args.mamba_ssm_dtype)
-        validate_mode(cfg, args, family, FAMILIES[family])
+        cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=args.mamba_ssm_dtype, tree_verify=tree)
+        validate_mode(cfg, args, family, config_name or FAMILIES[family])
     except SSMModeConfigError as e:
         return str(e)
     return None
@@ -89,6 +91,15 @@ def test_each_choice_is_accepted_or_refused_naming_the_flag(mode, family):
             assert message is None, (name, message)
 
 
+@pytest.mark.parametrize("mode", ["native", "compact"])
+def test_a_replay_history_outside_replay_is_refused(mode):
+    """``--ssm-replay-history`` (or its alias) sets what only replay uses: outside replay it is refused, like
+    ``--ssm-compact-verify`` outside compact (the environment's value is simply not used)."""
+    for flag in ("--ssm-replay-history", "--linear-replayssm-cache-len"):
+        message = judge(mode, "gdn", [flag, "32"])
+        assert f"{flag} 32" in message and "--ssm-state-mode replay" in message and f"drop {flag}" in message
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_models_without_gdn_or_kda_layers(mode):
     message = judge(mode, None, [])
@@ -105,14 +116,35 @@ SPEC_ALGORITHMS = sorted(a.name for a in SpeculativeAlgorithm if a is not Specul
 def test_every_speculative_algorithm_with_its_verify_width(algorithm):
     """Every algorithm commits through the hooked acceptance (EAGLE v2 / NEXTN / NGRAM / STANDALONE /
     FROZEN_KV_MTP via ``commit_mamba_states_after_verify``, DFLASH via the backend method), so every
-    one is served; replay only needs L >= D (NGRAM's default tree has 12 draft tokens)."""
+    one is served; replay's chain verify needs L >= D, its tree verify (compact's records) any L; a verify
+    width of 1 (no draft token) is refused."""
     for draft in (1, 2, 4, 12, 16, 17, 64, 65):
         for history in REPLAY_HISTORIES:
-            argv = ["--speculative-algorithm", algorithm, "--ssm-replay-history", str(history)]
             for mode in MODES:
-                message = judge(mode, "gdn", argv, draft=draft)
-                if mode == "replay" and history < draft:
-                    assert f"--ssm-replay-history {history}" in message
-                    assert f"--speculative-num-draft-tokens {draft}" in message
-                else:
-                    assert message is None, (algorithm, draft, history, mode, message)
+                argv = ["--speculative-algorithm", algorithm] + (
+                    ["--ssm-replay-history", str(history)] if mode == "replay" else [])
+                for tree in (False, True):
+                    message = judge(mode, "gdn", argv, draft=draft, tree=tree)
+                    if mode != "native" and draft == 1:
+                        assert "verifies no draft token" in message and "--speculative-num-draft-tokens 1" in message
+                    elif mode == "replay" and history < draft and not tree:
+                        assert f"--ssm-replay-history {history}" in message
+                        assert f"--speculative-num-draft-tokens {draft}" in message
+                        assert ("--speculative-num-steps" in message) == (draft > REPLAY_HISTORIES[-1])
+                    else:
+                        assert message is None, (algorithm, draft, history, mode, tree, message)
+
+
+@pytest.mark.parametrize("config_name", ["JetNemotronConfig", "JetVLMConfig"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gdn_models_with_their_own_recurrent_kernel_are_refused(mode, config_name):
+    """SGLang counts JetNemotron / JetVLM as Gated DeltaNet hybrids, but their ``JetBlock`` runs its own
+    kernel on the pool's state, bypassing the backend the modes hook."""
+    import sglang.srt.model_executor.model_runner as model_runner
+
+    assert hasattr(model_runner, config_name), "still one of SGLang's GDN hybrid configs"
+    message = judge(mode, "gdn", [], config_name=config_name)
+    if mode == "native":
+        assert message is None
+    else:
+        assert config_name in message and "own recurrent kernel" in message and "drop --ssm-state-mode" in message

@@ -73,24 +73,42 @@ def add_ssm_mode_args(parser: argparse.ArgumentParser) -> None:
                        help="Not supported: use --ssm-state-mode replay or compact.")
 
 
-def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, state_dtype: str | None) -> SSMModeConfig:
-    """The mode configuration from parsed flags, aliases and environment, validated against the
-    server's final verify width ``draft_tokens`` (``--speculative-num-draft-tokens``, None without
-    speculation) and state dtype. Raises :class:`SSMModeConfigError` naming the flag and the fix."""
+def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, state_dtype: str | None,
+                     tree_verify: bool = False) -> SSMModeConfig:
+    """The mode configuration from parsed flags, aliases and environment (flags first), validated against
+    the server's final verify width ``draft_tokens`` (``--speculative-num-draft-tokens``, None without
+    speculation), its shape (``tree_verify``) and state dtype. Raises :class:`SSMModeConfigError` naming the
+    flag — or the environment variable a value came from — and the fix."""
     mode = getattr(args, "ssm_state_mode", None)
     if getattr(args, "enable_linear_replayssm", False):
         if mode not in (None, "replay"):
             raise SSMModeConfigError(f"--enable-linear-replayssm means --ssm-state-mode replay, but --ssm-state-mode "
                                      f"{mode} was given: pass only one of them")
         mode = "replay"
-    mode = mode or os.environ.get(ENV_MODE) or "native"
+    if mode is None and os.environ.get(ENV_MODE) is not None:
+        mode = os.environ[ENV_MODE]
+        if mode not in MODES:
+            raise SSMModeConfigError(f"{ENV_MODE}={mode!r} is not a state mode: set it to one of " + ", ".join(MODES)
+                                     + " (or pass --ssm-state-mode, which overrides it)")
+    mode = mode or "native"
     history = getattr(args, "ssm_replay_history", None)
     alias = getattr(args, "linear_replayssm_cache_len", None)
     if history is not None and alias is not None and history != alias:
         raise SSMModeConfigError(f"--ssm-replay-history {history} and --linear-replayssm-cache-len {alias} disagree: "
                                  "pass only --ssm-replay-history")
+    if mode != "replay" and (history is not None or alias is not None):
+        name, value = ("--ssm-replay-history", history) if history is not None else ("--linear-replayssm-cache-len", alias)
+        raise SSMModeConfigError(f"{name} {value} sets replay's history, and the state mode is {mode}: pass "
+                                 f"--ssm-state-mode replay, or drop {name}")
+    from_env = history is None and alias is None and os.environ.get(ENV_HISTORY) is not None
     history = history if history is not None else alias if alias is not None else _env_history()
     compact_verify = getattr(args, "ssm_compact_verify", None) or _env_compact_verify(mode) or "exact"
-    return SSMModeConfig(mode=mode, replay_history=DEFAULT_HISTORY if history is None else history,
-                         draft_tokens=draft_tokens or 1, state_dtype=state_dtype or "float32",
-                         compact_verify=compact_verify)
+    try:
+        return SSMModeConfig(mode=mode, replay_history=DEFAULT_HISTORY if history is None else history,
+                             draft_tokens=draft_tokens or 1, state_dtype=state_dtype or "float32",
+                             compact_verify=compact_verify, tree_verify=tree_verify)
+    except SSMModeConfigError as e:
+        if from_env and "--ssm-replay-history" in str(e):
+            raise SSMModeConfigError(f"{e} (L = {history} came from {ENV_HISTORY}: set it there, or pass "
+                                     "--ssm-replay-history, which overrides it)") from None
+        raise

@@ -29,6 +29,7 @@ was applied and refuses to start otherwise, so a mode is never silently served b
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import logging
 
@@ -61,27 +62,42 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
     return result
 
 
+_PARSING_FLAGS = contextvars.ContextVar("sglang_ssm_modes_parsing_flags", default=False)
+"""Set while ``ServerArgs.from_cli_args`` builds its ``ServerArgs``: the mode then waits for the flags (an
+environment value the flags override must not be validated, nor refused, on its own)."""
+
+
 def _configure(server_args, args: argparse.Namespace) -> None:
     """Resolve (flags over environment), validate and attach the mode to ``server_args``."""
-    draft = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else None
-    cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=getattr(server_args, "mamba_ssm_dtype", None))
+    speculating = bool(server_args.speculative_algorithm)
+    draft = server_args.speculative_num_draft_tokens if speculating else None
+    tree = speculating and (server_args.speculative_eagle_topk or 1) > 1
+    cfg = resolve_ssm_mode(args, draft_tokens=draft, state_dtype=getattr(server_args, "mamba_ssm_dtype", None),
+                           tree_verify=tree)
     if cfg.mode != "native":
-        family, config_name, activation_dtype = linear_family(server_args)
-        validate_mode(cfg, server_args, family, config_name)
-        # records hold raw k / v as the model computes them: in the dtype SGLang runs the model in
-        cfg = dataclasses.replace(cfg, activation_dtype=activation_dtype)
+        model = linear_family(server_args)
+        validate_mode(cfg, server_args, model.family, model.config_name)
+        # records hold raw k / v as the model computes them: in the dtype SGLang runs the model in; the state
+        # dtype is the one SGLang's pool will allocate (--mamba-ssm-dtype, else the model's config)
+        cfg = dataclasses.replace(cfg, activation_dtype=model.activation_dtype, state_dtype=model.state_dtype)
     server_args.ssm_mode_config = cfg.to_dict()  # plain values: SGLang serialises its server args
     logger.info("sglang-ssm-modes: %s", cfg)
 
 
 def _after_post_init(result, server_args, *args, **kwargs):
     """Every ``ServerArgs`` (also ``sglang.Engine(**kwargs)``, which never parses flags): the mode
-    from the environment. ``from_cli_args`` then resolves the flags over it."""
-    _configure(server_args, argparse.Namespace())
+    from the environment — unless ``from_cli_args`` is building it, which resolves the flags over it."""
+    if not _PARSING_FLAGS.get():
+        _configure(server_args, argparse.Namespace())
     return result
 
 
-def _after_from_cli_args(server_args, cls, args, *rest, **kwargs):
+def _around_from_cli_args(original, cls, args, *rest, **kwargs):
+    token = _PARSING_FLAGS.set(True)
+    try:
+        server_args = original(cls, args, *rest, **kwargs)
+    finally:
+        _PARSING_FLAGS.reset(token)
     _configure(server_args, args)
     return server_args
 
@@ -92,6 +108,6 @@ def register() -> None:
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__", _after_post_init, HookType.AFTER)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND)
     for target, hook in HOOKS.items():
         HookRegistry.register(target, hook, HookType.AROUND)

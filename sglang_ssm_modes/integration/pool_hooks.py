@@ -55,8 +55,10 @@ def init_mamba_pool(original, self, **kwargs):
     if cfg.mode != "native" and missing:
         raise RuntimeError(f"--ssm-state-mode {cfg.mode}: SGLang did not apply these hooks of sglang-ssm-modes "
                            f"(see its log for why): {', '.join(missing)}. Is the installed SGLang 0.5.14?")
-    draft = kwargs.get("speculative_num_draft_tokens") or 1
-    if draft != cfg.draft_tokens:  # the pool's verify width is SGLang's final one
+    # the pool's verify width is SGLang's final one; without a speculative algorithm SGLang still passes the
+    # raw --speculative-num-draft-tokens here, which no verify will use
+    draft = (kwargs.get("speculative_num_draft_tokens") or 1) if cfg.speculative else 1
+    if draft != cfg.draft_tokens:
         cfg = dataclasses.replace(cfg, draft_tokens=draft)
     init_mode_mamba_pool(original, self, cfg, **kwargs)
     pool = self.mamba_pool
@@ -115,9 +117,14 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
     ratio = slots_per_request if spec else 1  # SGLang's joint solve uses it only when speculating
     if sa.max_mamba_cache_size is not None:
         sa.max_mamba_cache_size //= dp
+        fixes = [f"pass a --max-mamba-cache-size of at least {dp}"]
     elif sa.disable_radix_cache and sa.max_running_requests is not None:
         sa.max_mamba_cache_size = sa.max_running_requests // dp
+        fixes = [f"pass a --max-running-requests of at least {dp}"]
     else:
+        fixes = ["raise --mamba-full-memory-ratio or --mem-fraction-static"]
+        if cfg.mode == "replay":
+            fixes.append("pass a smaller --ssm-replay-history")
         budget = total_rest_memory * sa.mamba_full_memory_ratio / (1 + sa.mamba_full_memory_ratio) * GB
         per_slot = slot + (running / ratio if spec else 0)
         sa.max_mamba_cache_size = int(budget // per_slot)
@@ -128,8 +135,8 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
     if sa.max_mamba_cache_size <= 0:
         raise RuntimeError(
             f"Not enough GPU memory for the linear-attention state in --ssm-state-mode {cfg.mode}: "
-            f"max_mamba_cache_size={sa.max_mamba_cache_size} ({slot / (1 << 20):.2f} MiB per slot). Reduce "
-            "--max-running-requests or --ssm-replay-history, or raise --mem-fraction-static.")
+            f"max_mamba_cache_size={sa.max_mamba_cache_size} ({slot / (1 << 20):.2f} MiB per slot): "
+            + ", or ".join(fixes) + ".")
     logger.info("sglang-ssm-modes: %s: %.2f MiB per pool slot + %.2f MiB per running request when speculating; "
                 "%d pool slots (%.2f GiB) -> up to %d running requests (%d slots each with the radix cache's ratio)",
                 cfg, slot / (1 << 20), running / (1 << 20), sa.max_mamba_cache_size, reserved,

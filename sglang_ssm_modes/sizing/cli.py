@@ -119,7 +119,8 @@ def compute_memory_report(args: argparse.Namespace) -> dict:
     conv_dtype = DTYPES[args.conv_dtype or resolved.conv_dtype]
     budget = int(args.pool_gib * GIB)
     d = args.draft_tokens
-    common = dict(draft_tokens=d, state_dtype=state_dtype, activation_dtype=args.activation_dtype)
+    common = dict(draft_tokens=d, state_dtype=state_dtype, activation_dtype=args.activation_dtype,
+                  tree_verify=d > 1 and args.eagle_topk > 1)
     configs = [("native", None, SSMModeConfig(mode="native", **common)),
                ("compact", None, SSMModeConfig(mode="compact", **common))]
     for length in args.replay_history:
