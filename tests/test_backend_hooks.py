@@ -30,7 +30,14 @@ from test_mode_pool import cuda_scratch_on_cpu, gdn_params, kda_params  # noqa: 
 HK, HV, KD, VD, LAYERS = 2, 4, 16, 32, 2  # as test_mode_pool's gdn_params / kda_params (KDA: K = V = KD)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PARAMS = {"gdn": gdn_params, "kda": kda_params}
-TREE = ([1, 3, -1, -1], [-1, 2, -1, -1])  # D = 4: root -> {1, 2}, 1 -> 3 (first child, next sibling)
+
+
+def tree_links(draft: int) -> tuple[list[int], list[int]]:
+    """``(first child, next sibling)`` of a D-node tree: root -> {1, 2}, each odd node i -> {i + 2, i + 3}
+    (D = 4: root -> {1, 2}, 1 -> 3)."""
+    first = [1] + [i + 2 if i % 2 and i + 2 < draft else -1 for i in range(1, draft)]
+    sibling = [-1] + [i + 1 if i % 2 and i + 1 < draft else -1 for i in range(1, draft)]
+    return first, sibling
 
 
 def heads(family):
@@ -40,7 +47,8 @@ def heads(family):
 
 def make_pool(mode: str, draft: int, monkeypatch, family: str = "gdn", topk: int = 1,
               history: int = 8, compact_verify: str = "exact") -> HybridReqToTokenPool:
-    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=history, compact_verify=compact_verify)
+    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=history, compact_verify=compact_verify,
+                        tree_verify=draft > 1 and topk > 1)
     original = HybridReqToTokenPool._init_mamba_pool
     monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                         lambda self, **kw: init_mode_mamba_pool(original, self, cfg, **kw))
@@ -85,7 +93,7 @@ def verify(backend, layer, slots: torch.Tensor, draft: int, inputs, tree: bool =
     n = slots.shape[0]
     extra = {}
     if tree:
-        nxt, sib = (torch.tensor(x, dtype=torch.int32, device=DEV).repeat(n, 1) for x in TREE)
+        nxt, sib = (torch.tensor(x, dtype=torch.int32, device=DEV).repeat(n, 1) for x in tree_links(draft))
         # zeros, as the CUDA-graph runner's buffers (the only batches with padding rows): SGLang's conv kernel
         # skips a padding row, and its own verify kernel would follow whatever that row's parents hold
         extra = dict(retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=torch.zeros_like(nxt))
@@ -109,7 +117,8 @@ def seed_pools(pools, gen):
         p.mamba_pool.mamba_cache.conv[0].copy_(conv)
 
 
-CASES = [("gdn", 2, False), ("gdn", 4, False), ("gdn", 4, True), ("kda", 3, False), ("kda", 4, True)]
+CASES = [("gdn", 2, False), ("gdn", 4, False), ("gdn", 4, True), ("kda", 3, False), ("kda", 4, True),
+         ("gdn", 12, True)]  # a tree wider than replay's history (L = 8): compact's records, any L
 
 
 @pytest.mark.parametrize("replay_path", ["output-only", "write-through"])
@@ -187,15 +196,16 @@ def commit(hybrid: HybridLinearAttnBackend, last_index: torch.Tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("replay_path", ["served", "output-only"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family,tree", [("gdn", False), ("gdn", True), ("kda", False), ("kda", True)])
-def test_rounds_of_verify_and_commit_agree_with_native(family, tree, state_dtype, replay_path, monkeypatch):
+@pytest.mark.parametrize("family,tree,draft", [("gdn", False, 4), ("gdn", True, 4), ("kda", False, 4),
+                                               ("kda", True, 4), ("gdn", True, 12)])  # 12: a tree wider than L = 8
+def test_rounds_of_verify_and_commit_agree_with_native(family, tree, draft, state_dtype, replay_path, monkeypatch):
     """Rounds of verify (every layer) + commit through the hooks, last accepted node -1..D-1 (a chain's
     accepted length 0..D, or any node of a tree) and a padding row: compact's whole pool (state and conv
     window) is native's bit for bit after every round; replay's canonical state stays within float
     tolerance after folds — bit for bit, and its outputs too, where its chain verify is served written through
     (:func:`~sglang_ssm_modes.ops.replay.write_through.serves_write_through_verify` at 5 requests), and through
     compact's path for a tree; ``output-only`` forces replay's output-only chain verify instead."""
-    draft, rounds, topk = 4, 12, 2 if tree else 1
+    rounds, topk = 12, 2 if tree else 1
     gen = torch.Generator().manual_seed(7)
     pools = {m: make_pool(m, draft, monkeypatch, family, topk) for m in ("native", "compact", "replay")}
     for p in pools.values():
