@@ -20,24 +20,32 @@ from test_mode_pool import (HV, KD, LAYERS, VD, _expected_fold, _fill_history, c
 GB = 1 << 30
 
 
-@pytest.mark.parametrize("params", [gdn_params, kda_params], ids=["gdn", "kda"])
-@pytest.mark.parametrize("mode,draft,topk", [("compact", 4, 1), ("replay", 4, 1), ("replay", 1, 1),
-                                             ("replay", 4, 3), ("compact", 3, 2)])
-def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkeypatch, caplog,
-                                               cuda_scratch_on_cpu):  # noqa: F811
-    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=8)
+def hooked_pool(cfg: SSMModeConfig, params, monkeypatch, caplog, *, draft: int | None, topk: int | None,
+                size: int = 9, spec_size: int = 5):
+    """SGLang's ``HybridReqToTokenPool`` built through the pool hook with the server's mode ``cfg``, as
+    SGLang hands it ``--speculative-num-draft-tokens`` ``draft`` and the top-k; its mamba pool."""
     original = HybridReqToTokenPool._init_mamba_pool
     monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: cfg)
     monkeypatch.setattr(pool_hooks, "unapplied_hooks", lambda: [])
     monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                         lambda self, **kw: pool_hooks.init_mamba_pool(original, self, **kw))
     caplog.set_level("INFO", logger=pool_hooks.logger.name)
-    size, spec_size = 9, 5
-    pool = HybridReqToTokenPool(
+    return HybridReqToTokenPool(
         size=spec_size, mamba_size=size, mamba_spec_state_size=spec_size, max_context_len=16, device="cpu",
         enable_memory_saver=False, cache_params=params(), mamba_layer_ids=list(range(len(params().layers))),
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=draft if draft > 1 else None,
-        speculative_eagle_topk=topk, enable_overlap_schedule=False).mamba_pool
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=draft, speculative_eagle_topk=topk,
+        enable_overlap_schedule=False).mamba_pool
+
+
+@pytest.mark.parametrize("params", [gdn_params, kda_params], ids=["gdn", "kda"])
+@pytest.mark.parametrize("mode,draft,topk", [("compact", 4, 1), ("replay", 4, 1), ("replay", 1, 1),
+                                             ("replay", 4, 3), ("compact", 3, 2)])
+def test_charged_bytes_are_the_allocated_bytes(params, mode, draft, topk, monkeypatch, caplog,
+                                               cuda_scratch_on_cpu):  # noqa: F811
+    cfg = SSMModeConfig(mode=mode, draft_tokens=draft, replay_history=8, tree_verify=draft > 1 and topk > 1)
+    size, spec_size = 9, 5
+    pool = hooked_pool(cfg, params, monkeypatch, caplog, draft=draft if draft > 1 else None, topk=topk, size=size,
+                       spec_size=spec_size)
     slot, running = pool_hooks.mode_bytes_per_request(cfg, params(), topk)
     assert pool.mem_usage * GB == pytest.approx(slot * (size + 1) + running * (spec_size + 1), rel=1e-12)
     assert (running > 0) == (draft > 1)
@@ -72,17 +80,7 @@ def test_a_draft_width_without_speculation_builds_no_verify(mode, monkeypatch, c
     the mode's configuration says D = 1 (no verify), and the pool follows it: no records, no conv scratch —
     what the sizing charged."""
     cfg = SSMModeConfig(mode=mode, draft_tokens=1, replay_history=8)
-    original = HybridReqToTokenPool._init_mamba_pool
-    monkeypatch.setattr(pool_hooks, "server_mode_config", lambda: cfg)
-    monkeypatch.setattr(pool_hooks, "unapplied_hooks", lambda: [])
-    monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
-                        lambda self, **kw: pool_hooks.init_mamba_pool(original, self, **kw))
-    caplog.set_level("INFO", logger=pool_hooks.logger.name)
-    pool = HybridReqToTokenPool(
-        size=5, mamba_size=9, mamba_spec_state_size=5, max_context_len=16, device="cpu", enable_memory_saver=False,
-        cache_params=gdn_params(), mamba_layer_ids=list(range(len(gdn_params().layers))),
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=16, speculative_eagle_topk=None,
-        enable_overlap_schedule=False).mamba_pool
+    pool = hooked_pool(cfg, gdn_params, monkeypatch, caplog, draft=16, topk=None)
     slot, running = pool_hooks.mode_bytes_per_request(cfg, gdn_params(), None)
     assert running == 0 and pool.mem_usage * GB == pytest.approx(slot * 10, rel=1e-12)
     assert "speculative verify" not in caplog.text
