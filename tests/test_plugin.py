@@ -79,6 +79,7 @@ DRIVER = textwrap.dedent("""
             out[name] = {"mode": c["mode"], "history": c["replay_history"], "draft_tokens": c["draft_tokens"],
                          "compact_verify": c["compact_verify"]}
             out.setdefault("@state_dtype", {})[name] = c["state_dtype"]
+            out.setdefault("@tree_verify", {})[name] = c["tree_verify"]
         except SystemExit as e:
             out[name] = {"exit": e.code, "stderr": err.getvalue()[-400:]}
         except Exception as e:
@@ -146,6 +147,7 @@ def test_verify_width_and_shape_at_startup(results):
     assert r["error"] == "SSMModeConfigError" and "verifies no draft token" in r["message"], r
     assert results["replay_tree_short_history"] == {"mode": "replay", "history": 8, "draft_tokens": 16,
                                                     "compact_verify": "exact"}
+    assert results["@tree_verify"]["replay_tree_short_history"] and not results["@tree_verify"]["compact_spec"]
     assert results["draft_flag_without_algorithm"]["draft_tokens"] == 1
     assert results["@state_dtype"]["bf16_state"] == "bfloat16"
     assert results["@state_dtype"]["compact_spec"] == "float32"
@@ -193,9 +195,25 @@ def test_launch_server_help_shows_the_flags():
         assert flag in proc.stdout
 
 
+def test_environment_values_apply_to_their_own_mode_only(monkeypatch):
+    """One environment can serve every mode: its replay history is neither checked nor used outside replay
+    (and named as the environment's where it is wrong for replay); an empty mode variable means unset."""
+    import argparse
+
+    from sglang_ssm_modes.config import SSMModeConfig
+
+    monkeypatch.setenv("SGLANG_SSM_REPLAY_HISTORY", "12")
+    cfg = resolve_ssm_mode(argparse.Namespace(ssm_state_mode="compact"), draft_tokens=4, state_dtype=None)
+    assert cfg.mode == "compact" and cfg.replay_history == SSMModeConfig().replay_history
+    with pytest.raises(SSMModeConfigError, match="came from SGLANG_SSM_REPLAY_HISTORY"):
+        resolve_ssm_mode(argparse.Namespace(ssm_state_mode="replay"), draft_tokens=4, state_dtype=None)
+    monkeypatch.setenv("SGLANG_SSM_STATE_MODE", "")
+    assert resolve_ssm_mode(argparse.Namespace(), draft_tokens=None, state_dtype=None).mode == "native"
+
+
 def test_resolve_rejects_a_bad_environment_value(monkeypatch):
     import argparse
 
     monkeypatch.setenv("SGLANG_SSM_REPLAY_HISTORY", "sixteen")
     with pytest.raises(SSMModeConfigError, match="SGLANG_SSM_REPLAY_HISTORY"):
-        resolve_ssm_mode(argparse.Namespace(), draft_tokens=None, state_dtype=None)
+        resolve_ssm_mode(argparse.Namespace(ssm_state_mode="replay"), draft_tokens=None, state_dtype=None)

@@ -53,6 +53,7 @@ SWITCHES = {  # boolean flags and free values: (argv, modes refused, flag named)
     "no_radix": (["--disable-radix-cache"], (), None),
     "adaptive_spec": (["--speculative-algorithm", "EAGLE", "--speculative-adaptive"], ("compact", "replay"),
                       "--speculative-adaptive"),
+    "ray": (["--use-ray"], ("compact", "replay"), "--use-ray"),
 }
 
 
@@ -94,7 +95,7 @@ def test_each_choice_is_accepted_or_refused_naming_the_flag(mode, family):
 @pytest.mark.parametrize("mode", ["native", "compact"])
 def test_a_replay_history_outside_replay_is_refused(mode):
     """``--ssm-replay-history`` (or its alias) sets what only replay uses: outside replay it is refused, like
-    ``--ssm-compact-verify`` outside compact (the environment's value is simply not used)."""
+    ``--ssm-compact-verify`` outside compact; the environment's value is neither checked nor used there."""
     for flag in ("--ssm-replay-history", "--linear-replayssm-cache-len"):
         message = judge(mode, "gdn", [flag, "32"])
         assert f"{flag} 32" in message and "--ssm-state-mode replay" in message and f"drop {flag}" in message
@@ -126,7 +127,8 @@ def test_every_speculative_algorithm_with_its_verify_width(algorithm):
                 for tree in (False, True):
                     message = judge(mode, "gdn", argv, draft=draft, tree=tree)
                     if mode != "native" and draft == 1:
-                        assert "verifies no draft token" in message and "--speculative-num-draft-tokens 1" in message
+                        assert "verifies no draft token" in message and "verify width of 1" in message
+                        assert "--speculative-num-steps 1 or more" in message  # top-k 1: D is steps + 1
                     elif mode == "replay" and history < draft and not tree:
                         assert f"--ssm-replay-history {history}" in message
                         assert f"--speculative-num-draft-tokens {draft}" in message

@@ -57,7 +57,8 @@ def add_ssm_mode_args(parser: argparse.ArgumentParser) -> None:
                             f"history ring; output-only decode and verify). Env {ENV_MODE}. Default: native.")
     group.add_argument("--ssm-replay-history", type=int, default=None, metavar="L",
                        help=f"Replay history L (records per request and layer before a fold), one of "
-                            f"{REPLAY_HISTORIES}; must be >= --speculative-num-draft-tokens. Env {ENV_HISTORY}. "
+                            f"{REPLAY_HISTORIES}; only with --ssm-state-mode replay; for a chain verify at least "
+                            f"--speculative-num-draft-tokens. Env {ENV_HISTORY} (replay servers only). "
                             f"Default: {DEFAULT_HISTORY}.")
     group.add_argument("--ssm-compact-verify", choices=COMPACT_VERIFIES, default=None,
                        help="Compact mode's verify tiling: exact (native's; outputs bit-identical to native) or "
@@ -85,7 +86,7 @@ def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, stat
             raise SSMModeConfigError(f"--enable-linear-replayssm means --ssm-state-mode replay, but --ssm-state-mode "
                                      f"{mode} was given: pass only one of them")
         mode = "replay"
-    if mode is None and os.environ.get(ENV_MODE) is not None:
+    if mode is None and os.environ.get(ENV_MODE):  # set and not empty
         mode = os.environ[ENV_MODE]
         if mode not in MODES:
             raise SSMModeConfigError(f"{ENV_MODE}={mode!r} is not a state mode: set it to one of " + ", ".join(MODES)
@@ -100,8 +101,10 @@ def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, stat
         name, value = ("--ssm-replay-history", history) if history is not None else ("--linear-replayssm-cache-len", alias)
         raise SSMModeConfigError(f"{name} {value} sets replay's history, and the state mode is {mode}: pass "
                                  f"--ssm-state-mode replay, or drop {name}")
-    from_env = history is None and alias is None and os.environ.get(ENV_HISTORY) is not None
-    history = history if history is not None else alias if alias is not None else _env_history()
+    # the environment's history: checked and applied to replay servers only (one environment can serve every mode)
+    from_env = mode == "replay" and history is None and alias is None and os.environ.get(ENV_HISTORY) is not None
+    history = history if history is not None else alias if alias is not None else (
+        _env_history() if mode == "replay" else None)
     compact_verify = getattr(args, "ssm_compact_verify", None) or _env_compact_verify(mode) or "exact"
     try:
         return SSMModeConfig(mode=mode, replay_history=DEFAULT_HISTORY if history is None else history,

@@ -125,6 +125,8 @@ def handle_max_mamba_cache(original, self, total_rest_memory):
         fixes = ["raise --mamba-full-memory-ratio or --mem-fraction-static"]
         if cfg.mode == "replay":
             fixes.append("pass a smaller --ssm-replay-history")
+        if spec:
+            fixes.append("pass a smaller --speculative-num-draft-tokens")
         budget = total_rest_memory * sa.mamba_full_memory_ratio / (1 + sa.mamba_full_memory_ratio) * GB
         per_slot = slot + (running / ratio if spec else 0)
         sa.max_mamba_cache_size = int(budget // per_slot)

@@ -65,12 +65,19 @@ def validate_mode(cfg: SSMModeConfig, server_args, family: str | None, config_na
             f"--speculative-adaptive changes the verify width (--speculative-num-draft-tokens) from one round to "
             f"the next, and {flag} serves the one width its records and history were built for: drop "
             f"--speculative-adaptive, or pass {FLAG_MODE} native")
+    if getattr(server_args, "use_ray", False):
+        raise SSMModeConfigError(
+            f"--use-ray: SGLang 0.5.14's Ray actors rebuild the server arguments (dataclasses.replace), which drops "
+            f"{flag}, so the scheduler would serve the native path: drop --use-ray, or pass {FLAG_MODE} native")
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if algorithm and cfg.draft_tokens < 2:
+        fix = ("pass --speculative-num-steps 1 or more (with --speculative-eagle-topk 1 SGLang sets "
+               f"{FLAG_DRAFT} to steps + 1)" if (getattr(server_args, "speculative_eagle_topk", None) or 1) == 1
+               else f"pass {FLAG_DRAFT} 2 or more")
         raise SSMModeConfigError(
-            f"--speculative-algorithm {algorithm} with {FLAG_DRAFT} {cfg.draft_tokens} verifies no draft token: "
-            f"pass {FLAG_DRAFT} 2 or more (EAGLE / NEXTN chains: --speculative-num-steps 1 or more, D being "
-            f"steps + 1), or drop --speculative-algorithm")
+            f"speculative decoding ({algorithm}, as SGLang resolved --speculative-algorithm) with a verify width of "
+            f"{cfg.draft_tokens} ({FLAG_DRAFT}, the base token included) verifies no draft token: {fix}, or drop "
+            "--speculative-algorithm")
     layout = getattr(server_args, "hicache_mem_layout", HICACHE_MAMBA_LAYOUT)
     if getattr(server_args, "enable_hierarchical_cache", False) and layout != HICACHE_MAMBA_LAYOUT:
         raise SSMModeConfigError(
