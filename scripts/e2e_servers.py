@@ -88,8 +88,8 @@ VARIANTS = {"nograph": NO_GRAPHS, "noradix": ["--disable-radix-cache"], "bf16": 
 tokens; between generation and teacher forcing, :func:`evict_to_host` sends enough other prompts that the
 cached prefixes leave the device, so teacher forcing loads them back from the host — in replay, the states a
 slot backed up (folded first) and slots a load filled (history emptied): ``pool_hooks``. With ``extra_buffer``
-only prompts of 64 tokens or more leave a prefix to load (``--prompt-len 64``). The server's
-``sglang:load_back_tokens_total`` must show a load, else the configuration is reported failed.
+only prompts of 64 tokens or more leave a prefix to load, so the variant needs ``--prompt-len 64`` or more.
+The server's ``sglang:load_back_tokens_total`` must show a load, else the configuration is reported failed.
 ``fp32`` runs the whole model in float32: with bfloat16
 activations a float32-rounding difference in one
 layer's output flips bfloat16 roundings downstream (and MoE routing), so replay's parity is judged there.
@@ -487,6 +487,10 @@ def main(argv=None) -> int:
     if not all(1 <= c <= MAX_CONCURRENCY for c in args.concurrency) or args.speed_tokens < 2:
         p.error(f"--concurrency levels must lie in 1..{MAX_CONCURRENCY} (below the largest captured CUDA-graph "
                 "batch) and --speed-tokens must be >= 2 (TPOT needs two tokens)")
+    evicting = [c for c in args.configs if "hicacheevict" in MATRIX[c]["variants"]]
+    if evicting and args.prompt_len < EVICT_PROMPT_LEN:
+        p.error(f"{evicting} need --prompt-len {EVICT_PROMPT_LEN} or more: under extra_buffer (Qwen3-Next, speculation) "
+                f"SGLang caches a shorter prompt's prefix nowhere, so nothing would be loaded back from the host")
     if not 0 <= args.gsm8k <= 1300:
         p.error("--gsm8k takes 0 (off) to 1300 questions")
     gpus = _gpu_count()

@@ -130,13 +130,14 @@ def test_hicache_eviction_variant_must_load_from_the_host(fake_servers, monkeypa
     configs = ["qwen3-next-native-nextn-hicacheevict", "qwen3-next-replay-L16-nextn-hicacheevict",
                "qwen3-next-compact-nextn-hicacheevict"]
     rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs,
-                           "--prompts", "3", "--new-tokens", "8", "--concurrency", "2", "--port", "31990",
+                           "--prompts", "3", "--prompt-len", "64", "--new-tokens", "8", "--concurrency", "2",
+                           "--port", "31990",
                            "--start-timeout", "60"])
     assert rc == 1
     report = json.loads((out / "e2e_h200.json").read_text())
     rows = {r["name"]: r for r in report["configs"]}
     replay = rows["qwen3-next-replay-L16-nextn-hicacheevict"]
-    assert replay["hicache"]["sglang:load_back_tokens_total"] == 3 * 40  # the three teacher-forced prefixes
+    assert replay["hicache"]["sglang:load_back_tokens_total"] == 3 * 40  # the three teacher-forced requests
     assert replay["hicache"]["sglang:evicted_tokens_total"] == e2e_servers.EVICT_PROMPTS * 68
     assert replay["parity"]["greedy_agreement"] == 1.0 and "error" not in replay
     assert "loaded nothing back" in rows["qwen3-next-compact-nextn-hicacheevict"]["error"]
@@ -146,7 +147,8 @@ def test_hicache_eviction_variant_must_load_from_the_host(fake_servers, monkeypa
 
 def test_arguments_are_validated():
     for argv, message in ((["--configs", "nope"], "unknown configuration"), (["--prompts", "0"], "--prompts"),
-                          (["--concurrency", "1", "64"], "--concurrency")):
+                          (["--concurrency", "1", "64"], "--concurrency"),
+                          (["--configs", "kimi-linear-replay-L16-nospec-hicacheevict"], "--prompt-len 64")):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "e2e_servers.py"), *argv], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr
