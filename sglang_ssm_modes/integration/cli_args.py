@@ -97,21 +97,21 @@ def resolve_ssm_mode(args: argparse.Namespace, *, draft_tokens: int | None, stat
     if history is not None and alias is not None and history != alias:
         raise SSMModeConfigError(f"--ssm-replay-history {history} and --linear-replayssm-cache-len {alias} disagree: "
                                  "pass only --ssm-replay-history")
-    if mode != "replay" and (history is not None or alias is not None):
-        name, value = ("--ssm-replay-history", history) if history is not None else ("--linear-replayssm-cache-len", alias)
-        raise SSMModeConfigError(f"{name} {value} sets replay's history, and the state mode is {mode}: pass "
+    flag_history = history if history is not None else alias
+    if mode != "replay" and flag_history is not None:
+        name = "--ssm-replay-history" if history is not None else "--linear-replayssm-cache-len"
+        raise SSMModeConfigError(f"{name} {flag_history} sets replay's history, and the state mode is {mode}: pass "
                                  f"--ssm-state-mode replay, or drop {name}")
     # the environment's history: checked and applied to replay servers only (one environment can serve every mode)
-    from_env = mode == "replay" and history is None and alias is None and os.environ.get(ENV_HISTORY) is not None
-    history = history if history is not None else alias if alias is not None else (
-        _env_history() if mode == "replay" else None)
+    env_history = _env_history() if mode == "replay" and flag_history is None else None
+    history = flag_history if flag_history is not None else env_history
     compact_verify = getattr(args, "ssm_compact_verify", None) or _env_compact_verify(mode) or "exact"
     try:
         return SSMModeConfig(mode=mode, replay_history=DEFAULT_HISTORY if history is None else history,
                              draft_tokens=draft_tokens or 1, state_dtype=state_dtype or "float32",
                              compact_verify=compact_verify, tree_verify=tree_verify)
     except SSMModeConfigError as e:
-        if from_env and "--ssm-replay-history" in str(e):
+        if env_history is not None and "--ssm-replay-history" in str(e):
             raise SSMModeConfigError(f"{e} (L = {history} came from {ENV_HISTORY}: set it there, or pass "
                                      "--ssm-replay-history, which overrides it)") from None
         raise
