@@ -299,8 +299,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["fold_warp_columns"] = int(opt[1:])
             elif opt == "advance":
                 kw["accept_all"] = False
-            elif opt == "early":
-                kw["early"] = True
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
             elif opt in ("vk", "kv"):
@@ -311,8 +309,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :fN (a fused fold's value columns per warp: 8, 16, 32, 64), "
                              ":advance (a decode's cursor settled by a launch of its own, not in the output "
-                             "launch), :early (GDN: the output launch projects the checkpoint before it reads the "
-                             "window launch's data), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
+                             "launch), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
@@ -415,16 +412,14 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:advance][:early][:fma|:dot][:inorder|:foldfirst]"
-                           "[:one|:two]"
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:advance][:fma|:dot][:inorder|:foldfirst][:one|:two]"
                            "[:pdl|:nopdl][:through|:nothrough]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's columns "
                         "per warp (:f32), a decode's cursor settled by an advance launch (:advance) instead of in "
-                        "the output launch, the GDN checkpoint projected before the window launch's data is read "
-                        "(:early, with :fma; with :pdl and :inorder it overlaps the window launch), the S0 projections on CUDA cores (:fma) or tensor cores (:dot; "
+                        "the output launch, the S0 projections on CUDA cores (:fma) or tensor cores (:dot; "
                         "default: tensor cores for D > 1), and the output launch in request order (:inorder) or "
                         "folding requests first (:foldfirst; default: from batch 32 on, "
                         "ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "

@@ -76,11 +76,9 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
     shared = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, L=history, TP=tp,
-                  W=2 * K + 2 * history + 2 * tp + 2, IS_KDA=is_kda, FUSED_FOLD=fused_fold,
-                  SETTLE=draft_tokens == 1)  # as served: a decode settles its cursor in the output launch
+                  W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
     ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
-                r_phase="i32", r_folds="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32",
-                snap="i32")
+                r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
         replay_window_kernel,
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
@@ -88,13 +86,12 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
-    pointers = dict(ring, q="bf16", k="bf16", v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
+    pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
     tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
-                NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, EARLY=False,
-                PDL=SERVED_PDL)
+                NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
     out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:
-        step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)  # (no SETTLE: an advance after it)
+        step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)
         out["one launch"] = _ptxas_resources(
             replay_step_kernel, dict(pointers, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16"),
             {n: c for n, c in step.items() if n in replay_step_kernel.arg_names}, num_warps, num_stages)

@@ -169,11 +169,10 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
                    W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
                    FUSED_FOLD: tl.constexpr, SETTLE: tl.constexpr):
     """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
-    ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 2``) per token and value head: ``e^{G_t} * k_t`` (K),
+    ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
-    and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``), beta and ``e^{G_t}`` of K row 0 (GDN's
-    decay: the output launch's ``EARLY`` projections). Appends normalised and raw
+    and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
     power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -256,7 +255,6 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     tl.store(p_row + 2 * K + 2 * L + TP + o_t,
              tl.where(o_t < t, tl.sum(b_kd * b_q[None, :], 1), tl.where(o_t == t, tl.sum(b_k * b_q), 0)), mask=live)
     tl.store(p_row + 2 * K + 2 * L + 2 * TP, b_beta, mask=live)
-    tl.store(p_row + W - 1, tl.sum(tl.where(o_k == 0, b_e, 0)), mask=live)  # GDN's decay e^{G_t}, one scalar
     pos = pos0 + t
     rec = live & valid
     tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k, mask=mask_k & rec & writes_k)
@@ -299,13 +297,11 @@ def fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L: tl.cons
 
 @triton.jit(do_not_specialize=["T"])
 def replay_output_kernel(
-    q, k, v, o, proj, h0_source, h0_indices,
-    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, rec_indices, order, snap, scale, T,
-    stride_q, stride_k, stride_v,
+    v, o, proj, h0_source, h0_indices,
+    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, rec_indices, order, snap, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, SETTLE: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, SETTLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -324,16 +320,10 @@ def replay_output_kernel(
     ``SETTLE``: the window is accepted whole and the launch settles the cursor (:func:`output_program`, from the
     window launch's ``snap``): no :func:`~.ring.advance` after it.
 
-    ``EARLY`` (GDN, CUDA-core projections): the checkpoint is projected onto the window's normalised keys and
-    queries, normalised here from the raw ``q``, ``k`` ``[1, N*T, H, K]`` (``scale`` applied to q), and each
-    token's projections are scaled by its decay ``e^{G_t}`` (GDN's gate is one scalar per head: the window
-    launch's last ``proj`` column) after the loop — the loop reads nothing the window launch writes.
-
     ``PDL`` (launched as a programmatic dependent of the window launch): the program starts while the window
     launch still runs and waits for it (``griddepcontrol.wait``) before the first read of anything that launch
-    writes — ``proj`` and, with ``FOLD_FIRST`` or ``SETTLE``, ``order`` or ``snap`` (then at once); otherwise its
-    cursor, fused fold and history ``u`` (none of them written by the window launch) come before the wait, and
-    with ``EARLY`` the whole checkpoint loop too: the window launch runs under the checkpoint's stream."""
+    writes — ``proj`` and, with ``FOLD_FIRST`` or ``SETTLE``, ``order`` or ``snap``; otherwise its cursor, fused
+    fold and history ``u`` (none of them written by the window launch) come before the wait."""
     o_bk = tl.arange(0, BK)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
@@ -345,18 +335,8 @@ def replay_output_kernel(
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
-    if PDL and not (FOLD_FIRST or SETTLE or EARLY):
+    if PDL and not (FOLD_FIRST or SETTLE):
         tl.extra.cuda.gdc_wait()
-    b_kden = tl.zeros([TP], dtype=tl.float32) + 1.0  # EARLY: the L2 norms of the window's raw k and q
-    b_qden = tl.zeros([TP], dtype=tl.float32) + 1.0
-    if EARLY:
-        o_K = tl.arange(0, K)
-        for t in tl.static_range(TP):
-            t_in = tl.where(t < T, t, 0)
-            b_kr = tl.load(k + (bos + t_in) * stride_k + i_h * K + o_K).to(tl.float32)
-            b_qr = tl.load(q + (bos + t_in) * stride_q + i_h * K + o_K).to(tl.float32)
-            b_kden = tl.where(o_t == t, tl.sqrt(tl.sum(b_kr * b_kr) + 1e-6), b_kden)
-            b_qden = tl.where(o_t == t, tl.sqrt(tl.sum(b_qr * b_qr) + 1e-6), b_qden)
     # the checkpoint's projections: [BV, NP] (DOT; columns ke_0.., qe_0..) or [TP, BV] rows per token
     o_p = tl.arange(0, NP)
     tok = tl.where(o_p < TP, o_p, o_p - TP)
@@ -374,34 +354,21 @@ def replay_output_kernel(
             b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
         else:
             for t in tl.static_range(TP):
-                if EARLY:  # normalised k_t and scaled q_t (their decay applied after the loop)
-                    t_in = tl.where(t < T, t, 0)
-                    b_ke = tl.load(k + (bos + t_in) * stride_k + i_h * K + o_k).to(tl.float32) \
-                        / tl.sum(tl.where(o_t == t, b_kden, 0))
-                    b_qe = tl.load(q + (bos + t_in) * stride_q + i_h * K + o_k).to(tl.float32) \
-                        / tl.sum(tl.where(o_t == t, b_qden, 0)) * scale
-                else:
-                    p_row = proj + ((bos + t) * HV + i_hv) * W
-                    b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
-                    b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
+                p_row = proj + ((bos + t) * HV + i_hv) * W
+                b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
+                b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
                 b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * b_ke[:, None], 0)[None, :], b_sk)
                 b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * b_qe[:, None], 0)[None, :], b_sq)
-    if PDL and EARLY and not (FOLD_FIRST or SETTLE):
-        tl.extra.cuda.gdc_wait()
     b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
-        live = t < T
-        p_row = proj + ((bos + t) * HV + i_hv) * W  # the window launch's coefficients of token t
         if DOT:
             s0k = tl.sum(tl.where(o_p[None, :] == t, b_sp, 0), 1)
             s0q = tl.sum(tl.where(o_p[None, :] == TP + t, b_sp, 0), 1)
         else:
             s0k = tl.sum(tl.where(o_t[:, None] == t, b_sk, 0), 0)
             s0q = tl.sum(tl.where(o_t[:, None] == t, b_sq, 0), 0)
-        if EARLY:
-            b_e = tl.load(p_row + W - 1, mask=live, other=0)
-            s0k = s0k * b_e
-            s0q = s0q * b_e
+        live = t < T
+        p_row = proj + ((bos + t) * HV + i_hv) * W  # the window launch's coefficients of token t
         b_uw = output_token(t, live, s0k, s0q, tl.load(p_row + 2 * K + o_l, mask=live, other=0),
                             tl.load(p_row + 2 * K + L + o_l, mask=live, other=0),
                             tl.load(p_row + 2 * K + 2 * L + o_t, mask=live, other=0),
@@ -716,12 +683,11 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  fold_warp_columns: int = FOLD_WARP_COLUMNS, accept_all: bool = False,
-                  early: bool = False) -> torch.Tensor:
+                  fold_warp_columns: int = FOLD_WARP_COLUMNS, accept_all: bool = False) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
-    ``T_all * HV * (2K + 2L + 2TP + 2)`` floats; 1: :func:`replay_step_kernel` alone (default:
+    ``T_all * HV * (2K + 2L + 2TP + 1)`` floats; 1: :func:`replay_step_kernel` alone (default:
     :func:`served_launches`).
 
     ``fused_fold`` (default): requests whose window would overflow the history (``count + T > L``)
@@ -745,10 +711,6 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     settles the cursor before returning — inside the output launch when two launches run (no
     :func:`~.ring.advance` launch: the window launch hands it the cursor it read), else by ``advance(ring,
     record_indices, T, window=T)`` after the launch; the caller then calls no :func:`~.ring.advance`.
-    ``early`` (GDN, two launches, CUDA-core projections): the output launch projects the checkpoint onto the
-    window's keys and queries normalised in its own programs and applies their decay after its loop
-    (:func:`replay_output_kernel`'s ``EARLY``); with ``pdl``, in request order and without ``accept_all``, its
-    checkpoint stream then runs while the window launch does.
     Checkpoints and every record but ``u`` are the same bits for every choice; outputs and ``u`` agree to
     float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
@@ -794,9 +756,6 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if pdl and not pdl_available(q.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                          "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
-    if early and (is_kda or dot or launches != 2):
-        raise ValueError("early: the output launch projects the checkpoint itself only for GDN (one decay per head), "
-                         "in two launches, on CUDA cores; pass is_kda=False, launches=2 and dot=False, or early=False")
     if fold_warp_columns < 1 or fold_warp_columns & (fold_warp_columns - 1):
         raise ValueError(f"fold_warp_columns {fold_warp_columns} must be a power of two")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
@@ -816,7 +775,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         if accept_all:
             advance(ring, record_indices, T, window=T if fused_fold else 0)
         return o
-    W = 2 * kdim + 2 * L + 2 * TP + 2
+    W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
     snap = torch.empty(n, 2, dtype=torch.int32, device=q.device) if accept_all else None
     replay_window_kernel[(n * hv + fold_first,)](
@@ -827,11 +786,11 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, SETTLE=accept_all, PDL=pdl, num_warps=window_warps,
         num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
-        q, k, v, o, proj, checkpoints, state_indices,
+        v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.folds, ring.faults,
-        record_indices, order, snap, scale, T, q.stride()[1], k.stride()[1], v.stride()[1],
+        record_indices, order, snap, T, v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
-        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, SETTLE=accept_all, EARLY=early,
-        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, SETTLE=accept_all, PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return o
