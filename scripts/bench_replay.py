@@ -155,9 +155,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             tile.pop("prefetch", None)  # a decode has no draft tokens to prefetch: not part of what ran
             return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
                     f"{', ' + str(tile) if tile else ''})")
-        settled_inside = d == 1 and variant.get("accept_all", True) and launch_label(variant) != "step"
         return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"
-                + (" cursor settled in the output launch" if settled_inside else f"+advance(window={d})"))
+                f"+advance(window={d})")
 
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
         if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
@@ -295,10 +294,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
-            elif opt[:1] == "f" and opt[1:] in ("8", "16", "32", "64"):
-                kw["fold_warp_columns"] = int(opt[1:])
-            elif opt == "advance":
-                kw["accept_all"] = False
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
             elif opt in ("vk", "kv"):
@@ -307,9 +302,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns per warp: 8, 16, 32, 64), "
-                             ":advance (a decode's cursor settled by a launch of its own, not in the output "
-                             "launch), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
+                             ":sN (num_stages: 1-4), :fma, :dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
@@ -412,17 +405,15 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:advance][:fma|:dot][:inorder|:foldfirst][:one|:two]"
-                           "[:pdl|:nopdl][:through|:nothrough]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fma|:dot][:inorder|:foldfirst][:one|:two][:pdl|:nopdl]"
+                           "[:through|:nothrough]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2), the checkpoint rows per step of "
-                        "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's columns "
-                        "per warp (:f32), a decode's cursor settled by an advance launch (:advance) instead of in "
-                        "the output launch, the S0 projections on CUDA cores (:fma) or tensor cores (:dot; "
-                        "default: tensor cores for D > 1), and the output launch in request order (:inorder) or "
-                        "folding requests first (:foldfirst; default: from batch 32 on, "
-                        "ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
+                        "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
+                        "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
+                        "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
+                        "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
                         "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
                         "or verify written through to the checkpoint (served:through) or output-only "

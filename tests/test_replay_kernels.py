@@ -165,47 +165,6 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     assert folds >= 2  # requests folded at different rounds
 
 
-@pytest.mark.parametrize("family,hk,hv,d,L", [("gdn", 2, 4, 1, 4), ("kda", 2, 2, 1, 4), ("gdn", 1, 2, 3, 8)])
-def test_accept_all_settles_the_cursor_as_advance_does(family, hk, hv, d, L):
-    """``accept_all`` (a plain decode: the whole window accepted) settles the cursor inside the output launch
-    (two launches: from the window launch's snapshot; one launch: an advance after it), in request and
-    fold-first order and (sm90) overlapping the window launch, against ``replay_verify`` then
-    ``advance(ring, rows, T, window=T)``, round after round through several folds, with padding rows (a
-    negative checkpoint slot, a negative record slot): outputs, checkpoints, every ring buffer and cursor bit
-    for bit."""
-    n, kdim, vdim = 5, 16, 32
-    params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=70 + d)
-    state_idx[1] = -1
-    rec_idx = torch.tensor([3, 1, -1, 0, 4], dtype=torch.int32, device=DEVICE)
-    real = ((state_idx.to(DEVICE) >= 0) & (rec_idx >= 0)).cpu()
-    variants = [dict(launches=2, fold_first=False), dict(launches=2, fold_first=True), dict(launches=1)]
-    if pdl_available(DEVICE):
-        variants.append(dict(launches=2, fold_first=False, pdl=True))
-    pools = [pool.to(DEVICE).clone() for _ in range(len(variants) + 1)]
-    rings = [ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
-             for _ in pools]
-    gen = torch.Generator().manual_seed(71)
-    folds = 0
-    for _ in range(3 * L):
-        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        folds += int(fold_needed(rings[0], rec_idx, d).sum())  # every row with a record slot
-        o_ref = call_replay_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx, launches=2)
-        advance(rings[0], rec_idx, d, window=d)
-        for variant, p, ring in zip(variants, pools[1:], rings[1:]):
-            o = call_replay_verify(params, x, family, n, d, p, state_idx, ring, rec_idx, accept_all=True, **variant)
-            if variant["launches"] == 2:
-                assert torch.equal(o.reshape(n, d, hv, vdim)[real], o_ref.reshape(n, d, hv, vdim)[real]), variant
-            else:  # another summation order for the outputs; the committed state and records are the same bits
-                torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
-            assert torch.equal(p, pools[0]), variant
-            for name, t in rings[0].buffers().items():
-                if name == "u" and variant["launches"] == 1:
-                    torch.testing.assert_close(ring.u, t, rtol=1e-5, atol=1e-6)
-                else:
-                    assert torch.equal(t, ring.buffers()[name]), (name, variant)
-    assert folds >= 4 and int(rings[0].folds.sum()) == folds
-
-
 def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
     """A ring of ``n`` slots filled with seeded random records (drawn on the CPU: the same bits on any device),
     every cursor at ``count``."""
@@ -237,8 +196,6 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=8, num_warps=1, dot=False, window_warps=4, **two),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False, **two),
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
-                    dict(block_v=32, num_warps=1, fold_warp_columns=32, **two),  # one fold pass ...
-                    dict(block_v=32, num_warps=1, fold_warp_columns=8, **two),  # ... four
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
                     dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # the window's order program
@@ -273,9 +230,6 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="at least 16 rows"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=8, dot=True)
-    with pytest.raises(ValueError, match="fold_warp_columns 12"):
-        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
-                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", fold_warp_columns=12)
     with pytest.raises(ValueError, match="window_warps 3"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
@@ -368,10 +322,8 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
         for n in range(1, n_max + 1):
             t = slice(0, n * d)
             replay_verify(params.A_log.to(DEVICE), inp["a"][t], params.dt_bias.to(DEVICE), inp["q"][:, t],
-                          inp["k"][:, t], inp["v"][:, t], inp["b"][:, t], pool, idx[:n], ring, idx[:n], is_kda=False,
-                          accept_all=d == 1)  # as served: a decode settles its cursor inside, a verify after
-            if d > 1:
-                advance(ring, idx[:n], d, window=d)
+                          inp["k"][:, t], inp["v"][:, t], inp["b"][:, t], pool, idx[:n], ring, idx[:n], is_kda=False)
+            advance(ring, idx[:n], d, window=d)
         torch.cuda.synchronize()
         after = [compiled_variants(j) for j in kernels]
         assert tuple(a - b for a, b in zip(after, before)) == (2, 3, 1), (d, before, after)

@@ -63,9 +63,8 @@ def replay_decode(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   **verify_options) -> torch.Tensor:
     """Plain decode of one token per request, cursor settled: :func:`replay_write_through` where
     ``write_through`` (default :func:`serves_write_through` for this batch), else :func:`~.verify.replay_verify`
-    (``verify_options``: its keywords; the fold fused unless ``fused_fold=False``, when the caller folds first)
-    with ``accept_all`` (default True: the cursor settled inside its output launch; False: by
-    ``advance(ring, record_indices, 1, window=1)`` after it, ``window=0`` without the fused fold). Returns ``o``
+    (``verify_options``: its keywords; the fold fused unless ``fused_fold=False``, when the caller folds first),
+    then ``advance(ring, record_indices, 1, window=1)`` (``window=0`` without the fused fold). Returns ``o``
     ``[1, N, HV, V]``."""
     n = state_indices.shape[0]
     if write_through is None:
@@ -76,9 +75,7 @@ def replay_decode(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
             raise ValueError(f"{sorted(verify_options)}: options of the output-only path, not of a write-through")
         return replay_write_through(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices,
                                     **common)
-    accept_all = verify_options.pop("accept_all", True)
     o = replay_verify(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, **common,
-                      accept_all=accept_all, **verify_options)
-    if not accept_all:
-        advance(ring, record_indices, 1, window=1 if verify_options.get("fused_fold", True) else 0)
+                      **verify_options)
+    advance(ring, record_indices, 1, window=1 if verify_options.get("fused_fold", True) else 0)
     return o

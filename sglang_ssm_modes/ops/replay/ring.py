@@ -27,7 +27,7 @@ FAULT_NONFINITE = 1
 FAULT_OVERFLOW = 2
 """``faults`` bit: an acceptance moved this slot's cursor past L (the ring's invariant broken)."""
 _NONFINITE = tl.constexpr(FAULT_NONFINITE)  # the bits as the kernels see them
-FAULT_OVERFLOW_BIT = tl.constexpr(FAULT_OVERFLOW)
+_OVERFLOW = tl.constexpr(FAULT_OVERFLOW)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def advance_kernel(count, phase, folds, faults, rec_indices, accepted, accepted_
     tl.store(count + slot, new, mask=ok)
     tl.store(phase + slot, tl.where(folded, 1 - ph, ph), mask=ok)
     tl.store(folds + slot, tl.load(folds + slot, mask=ok, other=0) + folded.to(tl.int32), mask=ok)
-    tl.atomic_or(faults + slot, tl.full([BLOCK], FAULT_OVERFLOW_BIT, tl.int32), mask=ok & (new > L))
+    tl.atomic_or(faults + slot, tl.full([BLOCK], _OVERFLOW, tl.int32), mask=ok & (new > L))
 
 
 @triton.jit(do_not_specialize=["N", "R"])

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..delta_rule_step import (apply_records, beta_gate, gate_vector, l2normalize, packed_beta,
                                store_key_record, token_gate)
-from .ring import FAULT_OVERFLOW_BIT, ReplayRing, advance, flag_nonfinite, window_overflows
+from .ring import ReplayRing, flag_nonfinite, window_overflows
 
 
 @triton.jit
@@ -51,49 +51,31 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
     slot, record slot, whether the row is real (both non-negative), the history's length and half, after a
     fused fold of an overflowing window (``count + T > L``: ``count = 0``, ``phase ^= 1``; the cursor in
     memory is settled later by :func:`~.ring.advance`)."""
-    idx, r_safe, valid = request_slots(h0_indices, rec_indices, i_n)
-    c = tl.where(valid, tl.load(r_count + r_safe), 0)
-    c, phase, fold = folded_cursor(c, tl.load(r_phase + r_safe), valid, T, L, FUSED_FOLD)
-    return idx, r_safe, valid, c, phase, fold
-
-
-@triton.jit
-def request_slots(h0_indices, rec_indices, i_n):
-    """``(idx, r, valid)`` of request ``i_n``: its checkpoint slot, record slot (clamped to 0) and whether the
-    row is real (both indices non-negative)."""
     idx = tl.load(h0_indices + i_n).to(tl.int64)
     r = tl.load(rec_indices + i_n).to(tl.int64)
-    return idx, tl.maximum(r, 0), (idx >= 0) & (r >= 0)
-
-
-@triton.jit
-def folded_cursor(c, phase, valid, T, L: tl.constexpr, FUSED_FOLD: tl.constexpr):
-    """``(count, phase, fold)`` a window of T tokens starts from, given the cursor ``(c, phase)`` in memory:
-    with ``FUSED_FOLD`` a real row whose window would overflow (``c + T > L``) folds and starts an empty
-    history in the other half."""
+    valid = (idx >= 0) & (r >= 0)
+    r_safe = tl.maximum(r, 0)
+    c = tl.where(valid, tl.load(r_count + r_safe), 0)
+    phase = tl.load(r_phase + r_safe)
     if FUSED_FOLD:
         fold = valid & window_overflows(c, T, L)
     else:
         fold = valid & False
-    return tl.where(fold, 0, c), tl.where(fold, 1 - phase, phase), fold
+    c = tl.where(fold, 0, c)
+    phase = tl.where(fold, 1 - phase, phase)
+    return idx, r_safe, valid, c, phase, fold
 
 
 @triton.jit
-def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_folds, r_faults, rec_indices,
-                   order, snap, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, FBV: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr,
-                   FUSED_FOLD: tl.constexpr, FOLD_FIRST: tl.constexpr, SETTLE: tl.constexpr):
+def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order,
+                   T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   FBV: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, FUSED_FOLD: tl.constexpr,
+                   FOLD_FIRST: tl.constexpr):
     """How a program of either output launch (grid ``(cdiv(V, BV), N * HV)``) starts: its request (the
     ``order[i]``-th with ``FOLD_FIRST``), value and key head, value columns and cursor, its checkpoint
     columns folded first (:func:`fold_columns`) when the request's window overflows the history. Returns
     ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0)``: ``bos`` the request's first token,
-    ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first record.
-
-    ``SETTLE`` (the whole window accepted, as a plain decode): the cursor comes from ``snap`` ``[N, 2]`` int32
-    (count, phase as the window launch read them) and the request's first program writes the settled cursor
-    into the ring — ``count`` the window's start plus T (:data:`~.ring.FAULT_OVERFLOW` past L), ``phase``,
-    ``folds`` plus the fold — as ``advance(accepted=T, window=T)`` would after the launch (``window=0`` without
-    ``FUSED_FOLD``; any row with a record slot); no program of the launch reads the ring's cursor."""
+    ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first record."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if FOLD_FIRST:
@@ -101,27 +83,11 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     i_h = i_hv // (HV // H)
     bos = i_n * T
     o_v = i_v * BV + tl.arange(0, BV)
-    idx, r, valid = request_slots(h0_indices, rec_indices, i_n)
-    if SETTLE:
-        n_rec = tl.where(valid, tl.load(snap + 2 * i_n), 0)
-        phase0 = tl.load(snap + 2 * i_n + 1)
-    else:
-        n_rec = tl.where(valid, tl.load(r_count + r), 0)
-        phase0 = tl.load(r_phase + r)
-    c, phase, fold = folded_cursor(n_rec, phase0, valid, T, L, FUSED_FOLD)
-    if SETTLE:  # as advance(accepted=T, window=T or 0): every row with a record slot, its checkpoint slot aside
-        if (i_v == 0) & (i_hv == 0) & (tl.load(rec_indices + i_n) >= 0):
-            c_mem = tl.load(snap + 2 * i_n)
-            settled, phase_new, folded = folded_cursor(c_mem, phase0, True, T, L, FUSED_FOLD)
-            tl.store(r_count + r, settled + T)
-            tl.store(r_phase + r, phase_new)
-            tl.store(r_folds + r, tl.load(r_folds + r) + folded.to(tl.int32))
-            if settled + T > L:
-                tl.atomic_or(r_faults + r, FAULT_OVERFLOW_BIT)
+    idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
     rec0 = r * 2 * L + phase.to(tl.int64) * L
     if fold:  # the full history sits in the other half
-        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, n_rec, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
+        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
                      i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
         tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
     return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0
@@ -130,19 +96,17 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
 @triton.jit(do_not_specialize=["N", "T"])
 def replay_window_kernel(
     A_log, a, dt_bias, q, k, b, proj, h0_indices,
-    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices, order, snap,
+    r_kn, r_g, r_beta, r_kraw, r_count, r_phase, rec_indices, order,
     softplus_beta, softplus_threshold, scale, N, T,
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    FOLD_FIRST: tl.constexpr, SETTLE: tl.constexpr, PDL: tl.constexpr,
+    FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
     ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
     and value head (:func:`window_program`); with ``FOLD_FIRST`` one more program writes the output launch's
-    fold-first ``order`` (:func:`fold_order_program`) — no launch of its own. ``SETTLE``: each request's first
-    program copies its cursor (count, phase) into ``snap`` ``[N, 2]`` int32, where the output launch reads it
-    (:func:`output_program`). ``PDL``: every program first lets
+    fold-first ``order`` (:func:`fold_order_program`) — no launch of its own. ``PDL``: every program first lets
     the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
     anything written here)."""
     i_nh = tl.program_id(0)
@@ -153,21 +117,20 @@ def replay_window_kernel(
             fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
         else:
             window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
-                           r_phase, rec_indices, snap, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
-                           SETTLE)
+                           r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
+                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
     else:
         window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
-                       r_phase, rec_indices, snap, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD, SETTLE)
+                       r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
+                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
 
 
 @triton.jit
 def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count, r_phase,
-                   rec_indices, snap, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k,
-                   stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
+                   rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_b,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
                    W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-                   FUSED_FOLD: tl.constexpr, SETTLE: tl.constexpr):
+                   FUSED_FOLD: tl.constexpr):
     """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
@@ -192,10 +155,6 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
     p_b0 = b + bos * stride_b + i_hv
     _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
-    if SETTLE:
-        if i_hv == 0:  # the cursor as read here, for the output launch (which settles it in the ring)
-            tl.store(snap + 2 * i_n, tl.load(r_count + r))
-            tl.store(snap + 2 * i_n + 1, tl.load(r_phase + r))
 
     # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
@@ -298,10 +257,10 @@ def fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L: tl.cons
 @triton.jit(do_not_specialize=["T"])
 def replay_output_kernel(
     v, o, proj, h0_source, h0_indices,
-    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_folds, r_faults, rec_indices, order, snap, T, stride_v,
+    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, SETTLE: tl.constexpr, PDL: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -312,30 +271,28 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop (``FBV = min(BV, FOLD_WARP_COLUMNS * num_warps)`` by default); it continues with an empty
+    by the loop (``FBV = min(BV, 16 * num_warps)``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty
     history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
-    ``SETTLE``: the window is accepted whole and the launch settles the cursor (:func:`output_program`, from the
-    window launch's ``snap``): no :func:`~.ring.advance` after it.
 
     ``PDL`` (launched as a programmatic dependent of the window launch): the program starts while the window
     launch still runs and waits for it (``griddepcontrol.wait``) before the first read of anything that launch
-    writes — ``proj`` and, with ``FOLD_FIRST`` or ``SETTLE``, ``order`` or ``snap``; otherwise its cursor, fused
-    fold and history ``u`` (none of them written by the window launch) come before the wait."""
+    writes — ``proj`` and, with ``FOLD_FIRST``, ``order``; without ``FOLD_FIRST`` its cursor, fused fold and
+    history ``u`` (none of them written by the window launch) come before the wait."""
     o_bk = tl.arange(0, BK)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    if PDL and (FOLD_FIRST or SETTLE):
+    if PDL and FOLD_FIRST:
         tl.extra.cuda.gdc_wait()
     i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
-        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_folds, r_faults, rec_indices, order,
-        snap, T, H, HV, K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, SETTLE)
+        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
-    if PDL and not (FOLD_FIRST or SETTLE):
+    if PDL and not FOLD_FIRST:
         tl.extra.cuda.gdc_wait()
     # the checkpoint's projections: [BV, NP] (DOT; columns ke_0.., qe_0..) or [TP, BV] rows per token
     o_p = tl.arange(0, NP)
@@ -399,8 +356,8 @@ def replay_step_kernel(
     appends the window's key-side records (normalised and raw k once per key head, g, beta). The history's
     keys are read once per column tile (``V / BV`` times per head) instead of once per head."""
     i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
-        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_count, r_faults, rec_indices, order,
-        order, T, H, HV, K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, False)
+        h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
     o_bk = tl.arange(0, BK)
     o_K = tl.arange(0, K)
     o_l = tl.arange(0, L)
@@ -525,15 +482,16 @@ def replay_step_kernel(
 
 
 @triton.jit
-def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, n_rec, r_faults, r, pos0, i_h, i_hv, i_v, H: tl.constexpr,
+def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FBV: tl.constexpr,
                  IS_KDA: tl.constexpr):
     """The fused fold of one output program: its ``BV`` checkpoint columns at ``p_h0`` (``[V, K]``, one
-    request and value head) advanced over the ``n_rec`` records of ring slot ``r`` from ``pos0``, ``FBV``
+    request and value head) advanced over the ``count`` records of ring slot ``r`` from ``pos0``, ``FBV``
     full-K columns at a time (value columns evolve independently; a ``[K, FBV]`` float32 tile is what the
     registers hold), each rounded once, stored, and checked (:func:`~.ring.flag_nonfinite`)."""
     o_k = tl.arange(0, K)
     mask_k = o_k < K
+    n_rec = tl.load(r_count + r)
     for j in range(0, BV // FBV):
         o_vf = i_v * BV + j * FBV + tl.arange(0, FBV)
         mask_vf = o_vf < V
@@ -682,8 +640,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
-                  dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  fold_warp_columns: int = FOLD_WARP_COLUMNS, accept_all: bool = False) -> torch.Tensor:
+                  dot: bool | None = None, launches: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -706,13 +663,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     choice for the launch's requests), ``window_warps`` tiles the window launch (default:
     :func:`served_window_warps`); ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
-    or on CUDA cores; ``fold_warp_columns`` (a power of two) sets the columns per warp a fused fold advances
-    at a time (:data:`FOLD_WARP_COLUMNS`). ``accept_all`` (a plain decode: every token of the window accepted)
-    settles the cursor before returning — inside the output launch when two launches run (no
-    :func:`~.ring.advance` launch: the window launch hands it the cursor it read), else by ``advance(ring,
-    record_indices, T, window=T)`` after the launch; the caller then calls no :func:`~.ring.advance`.
-    Checkpoints and every record but ``u`` are the same bits for every choice; outputs and ``u`` agree to
-    float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
+    or on CUDA cores. Checkpoints and every record but ``u`` are the same bits for every choice; outputs and
+    ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -756,11 +708,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if pdl and not pdl_available(q.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                          "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
-    if fold_warp_columns < 1 or fold_warp_columns & (fold_warp_columns - 1):
-        raise ValueError(f"fold_warp_columns {fold_warp_columns} must be a power of two")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
-    fbv = min(BV, fold_warp_columns * warps)
+    fbv = min(BV, FOLD_WARP_COLUMNS * warps)
     if launches == 1:
         if fold_first:
             fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
@@ -772,25 +722,21 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
             H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, NP=max(16, 2 * TP), IS_KDA=is_kda,
             BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta, FUSED_FOLD=fused_fold, DOT=dot,
             FOLD_FIRST=fold_first, num_warps=warps, num_stages=stages)
-        if accept_all:
-            advance(ring, record_indices, T, window=T if fused_fold else 0)
         return o
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
-    snap = torch.empty(n, 2, dtype=torch.int32, device=q.device) if accept_all else None
     replay_window_kernel[(n * hv + fold_first,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
-        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order, snap,
+        ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order,
         1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, SETTLE=accept_all, PDL=pdl, num_warps=window_warps,
-        num_stages=1)
+        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, PDL=pdl, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
-        ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.folds, ring.faults,
-        record_indices, order, snap, T, v.stride()[1],
+        ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
+        T, v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
-        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, SETTLE=accept_all, PDL=pdl,
+        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, PDL=pdl,
         num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return o
