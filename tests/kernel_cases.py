@@ -86,6 +86,18 @@ def make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed):
     return params, x, pool, state_idx
 
 
+def every_accepted_length(state_idx, n, d):
+    """``[N]`` int64 last accepted indices (SGLang's ``-1..D-1``) with every accepted length ``0..D`` among the real
+    rows (``state_idx >= 0``, at least ``D + 1`` of them) in turn; a padding row gets a real-looking ``D - 1``,
+    which must change nothing."""
+    real_rows = [i for i in range(n) if state_idx[i] >= 0]
+    assert len(real_rows) >= d + 1
+    last = torch.full((n,), d - 1, dtype=torch.int64)
+    for j, i in enumerate(real_rows):
+        last[i] = (j % (d + 1)) - 1
+    return last
+
+
 def flat_inputs(x, family, n, d):
     a = x.a.reshape(n * d, -1)
     return dict(q=x.q.reshape(1, n * d, *x.q.shape[2:]), k=x.k.reshape(1, n * d, *x.k.shape[2:]),

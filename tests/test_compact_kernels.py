@@ -8,18 +8,20 @@ import inspect
 import pytest
 import torch
 
-from kernel_cases import (DEVICE, assert_same_outputs_but_tiling, compiled_variants, flat_inputs, make_case,
-                          random_tree_parents, sglang_native_round, to_device)
+from kernel_cases import (DEVICE, assert_same_outputs_but_tiling, compiled_variants, every_accepted_length, flat_inputs,
+                          make_case, random_tree_parents, sglang_native_round, to_device)
 from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_commit, compact_verify
 from sglang_ssm_modes.ops.compact.commit import compact_commit_kernel
 from sglang_ssm_modes.ops.verify_window import verify_window, verify_window_kernel
 from sglang_ssm_modes.reference import compact_verify as reference_compact_verify
 
 def _compact_round(params, x, pool, state_idx, last, family, n, d, hk, parents=None):
+    """Compact's verify + commit of ``x`` on a copy of ``pool`` (on ``DEVICE``; the verify must not write it),
+    records in the activation dtype (``x``'s) at record slots 1..n of n + 2; returns ``(o, pool, records)``."""
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     hv, vdim, kdim = pool.shape[1:]
     pool = pool.to(DEVICE).clone()
-    rec = CompactRecordBuffers.allocate(n + 2, d, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec = CompactRecordBuffers.allocate(n + 2, d, hk, hv, kdim, vdim, family == "kda", x.k.dtype, DEVICE)  # raw k, v
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE) + 1  # record slots need not be 0..n-1
     before = pool.clone()
     o = compact_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -43,13 +45,7 @@ CASES = [  # family, N (odd), D, HK, HV, K, V
 def test_compact_round_bit_identical_to_sglang_native(case, state_dtype):
     family, n, d, hk, hv, kdim, vdim = case
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=n + d + kdim)
-    # every accepted length 0..D (last index -1..D-1) appears among the real rows; the padding row
-    # (state index -1) is given a real-looking accepted length too, which must change nothing
-    real_rows = [i for i in range(n) if state_idx[i] >= 0]
-    assert len(real_rows) >= d + 1
-    last = torch.full((n,), d - 1, dtype=torch.int64)
-    for j, i in enumerate(real_rows):
-        last[i] = (j % (d + 1)) - 1
+    last = every_accepted_length(state_idx, n, d)
     o_nat, pool_nat = sglang_native_round(params, x, pool, state_idx, last, family, n, d)
     o_cmp, pool_cmp, rec = _compact_round(params, x, pool, state_idx, last, family, n, d, hk)
     real = state_idx >= 0

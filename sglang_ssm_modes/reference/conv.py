@@ -50,17 +50,27 @@ def _as_channel_major(t: torch.Tensor, transposed: bool) -> torch.Tensor:
 def conv_token(acc_init: torch.Tensor, taps: list[torch.Tensor], weight: torch.Tensor,
                activation: bool, exp=torch.exp) -> torch.Tensor:
     """One output column, in the kernels' op order: ``acc = acc_init``; ``acc += (tap_j * w[:, j])``
-    with the product in the promoted dtype of the tap and the weight, then widened to float32;
+    with the product rounded as Triton's ``a * b`` rounds (:func:`tap_product`), then widened to float32;
     SiLU as ``acc / (1 + exp(-acc))``. ``taps`` K tensors ``[N, conv_dim]`` (oldest first),
     ``weight`` ``[conv_dim, K]``. Returns float32 ``[N, conv_dim]``. ``exp`` replaces ``torch.exp``
     (float32 ``exp`` is not correctly rounded and differs between libraries by an ulp: pass the
     kernel backend's own to compare bit for bit, e.g. numpy's for the Triton CPU interpreter)."""
     acc = acc_init
     for j, tap in enumerate(taps):
-        acc = acc + (tap * weight[:, j]).to(torch.float32)
+        acc = acc + tap_product(tap, weight[:, j])
     if activation:
         acc = acc / (1 + exp(-acc))
     return acc
+
+
+def tap_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b`` as float32, rounded as Triton's ``a * b`` rounds: in the operands' dtype when they share one,
+    in float32 when either is float32, and in float16 for a bfloat16 x float16 product (torch would promote
+    that pair to float32) — the exact float32 product (8 + 11 significant bits fit in 24) rounded once."""
+    narrow = {torch.bfloat16, torch.float16}
+    if a.dtype != b.dtype and a.dtype in narrow and b.dtype in narrow:
+        return (a.to(torch.float32) * b.to(torch.float32)).to(torch.float16).to(torch.float32)
+    return (a * b).to(torch.float32)
 
 
 def _acc_init(n: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
