@@ -32,13 +32,21 @@ def bf16_ulp(a, b):
     return torch.ldexp(torch.ones_like(a), torch.frexp(torch.maximum(a.abs(), b.abs()))[1] - 8)
 
 
+def f16_ulp(a, b):
+    """Elementwise, one float16 unit in the last place of the larger magnitude of ``a`` and ``b`` (float64):
+    ``2**(e - 11)`` for ``|x|`` in ``[2**(e-1), 2**e)``, ``2**-24`` in the subnormal range."""
+    e = torch.frexp(torch.maximum(a.abs(), b.abs()).double())[1]
+    return torch.ldexp(torch.ones_like(a, dtype=torch.float64), (e - 11).clamp_min(-24))
+
+
 def assert_same_bits(ours, native, v_major=False, flips=0):
     """``ours`` is ``native`` bit for bit — on the GPU always, either tile. One exception, replay's ``[BV, K]``
     write-through tile (``v_major``) on the CPU interpreter, whose NumPy sums over the transposed view in another
     order: float32 within one epsilon of the largest element (measured: at most 0.95 of it, as SGLang's two decode
-    kernels differ on the interpreter); bfloat16 bit for bit but for at most ``flips`` elements one bfloat16 ulp
-    apart (a float32 sum a hair either side of a rounding midpoint: measured 1 of 16 640 in a write-through
-    verify's fold, none in the decodes; callers pass ``flips`` only where a fold rounds the history)."""
+    kernels differ on the interpreter); bfloat16 and float16 bit for bit but for at most ``flips`` elements one ulp
+    apart (a float32 sum a hair either side of a rounding midpoint: measured 1 of 16 640 bfloat16 elements in a
+    write-through verify's fold, none in the decodes, up to 2 float16 ones a token in a decode — float16's 3 more
+    bits land near a midpoint more often; callers pass ``flips`` only where they measured them)."""
     assert ours.shape == native.shape and ours.dtype == native.dtype, (ours.shape, native.shape, ours.dtype)
     if not (v_major and DEVICE == "cpu"):
         assert torch.equal(ours, native), f"{ulps(ours, native)} ulps apart"
@@ -47,11 +55,11 @@ def assert_same_bits(ours, native, v_major=False, flips=0):
         bound = torch.finfo(torch.float32).eps * float(native.double().abs().max())
         assert worst <= bound, f"{worst / bound:.2f} float32 epsilons of the largest element (at most 1)"
     else:
-        assert ours.dtype == torch.bfloat16, ours.dtype
+        assert ours.dtype in (torch.bfloat16, torch.float16), ours.dtype
         a, b = ours.double(), native.double()
         differ = int((a != b).sum())
-        assert ((a - b).abs() <= bf16_ulp(a, b)).all() and differ <= flips, \
-            f"{differ} elements differ, {ulps(ours, native)} ulps"
+        ulp = bf16_ulp(a, b) if ours.dtype == torch.bfloat16 else f16_ulp(a, b)
+        assert ((a - b).abs() <= ulp).all() and differ <= flips, f"{differ} elements differ, {ulps(ours, native)} ulps"
 
 
 def assert_same_outputs_but_tiling(ours, native):

@@ -18,10 +18,11 @@ import torch
 
 import test_conv_window as conv_tests
 from interpreter_shims import sglang_fla_on_cpu
-from kernel_cases import (DEVICE, assert_same_bits, bf16_ulp, call_replay_verify, every_accepted_length, make_case,
-                          random_tree_parents, sglang_decode, sglang_native_round, sglang_packed_decode)
+from kernel_cases import (DEVICE, assert_same_bits, bf16_ulp, call_replay_verify, every_accepted_length, f16_ulp,
+                          make_case, random_tree_parents, sglang_decode, sglang_native_round, sglang_packed_decode)
 from test_compact_kernels import _compact_round
 from test_replay_write_through import _decode, _records, _row, v_major  # noqa: F401  (v_major: a fixture)
+from test_replay_write_through_verify import _run_rounds
 
 from sglang.srt.layers.attention.mamba.causal_conv1d_triton import causal_conv1d_update
 
@@ -36,39 +37,14 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 CPU_V_MAJOR_FLIPS = 4
 """Elements a float16 state (or output) of replay's ``[BV, K]`` write-through tile may differ from SGLang's
 decode by — one float16 ulp each — per token on the CPU interpreter, whose NumPy sums over the transposed view
-in another order (:func:`kernel_cases.assert_same_bits`, whose float16 twin this is; measured: at most 2 state
-elements and 1 output a token, KDA, none for GDN). The same allowance for the two SGLang decode kernels against
+in another order (:func:`kernel_cases.assert_same_bits`'s ``flips``; measured: at most 2 state elements and 1
+output a token, KDA, none for GDN). The same allowance for the two SGLang decode kernels against
 each other there. Bit for bit on the GPU."""
-
-
-def _f16_ulp(a, b):
-    """Elementwise, one float16 unit in the last place of the larger magnitude of ``a`` and ``b`` (float64):
-    ``2**(e - 11)`` for ``|x|`` in ``[2**(e-1), 2**e)``, ``2**-24`` in the subnormal range."""
-    e = torch.frexp(torch.maximum(a.abs(), b.abs()).double())[1]
-    return torch.ldexp(torch.ones_like(a, dtype=torch.float64), (e - 11).clamp_min(-24))
 
 
 def _out_ulp(dtype, a, b):
     """One ulp of the larger magnitude of ``a`` and ``b`` (float64) in the output dtype ``dtype``."""
-    return bf16_ulp(a, b) if dtype == BF16 else _f16_ulp(a, b)
-
-
-def _assert_f16_flips(ours, native, flips):
-    """``ours`` equals ``native`` (float16) but for at most ``flips`` elements, each one float16 ulp apart."""
-    assert ours.shape == native.shape and ours.dtype == native.dtype == F16, (ours.shape, ours.dtype, native.dtype)
-    a, b = ours.double().cpu(), native.double().cpu()
-    differ = int((a != b).sum())
-    worst = float(((a - b).abs() / _f16_ulp(a, b)).max()) if a.numel() else 0.0
-    assert differ <= flips and worst <= 1, f"{differ} elements differ (at most {flips}), up to {worst:.1f} ulps"
-
-
-def _assert_same_bits_or_flips(ours, native, v_major):
-    """:func:`kernel_cases.assert_same_bits` with float16 too: its one allowance (replay's ``[BV, K]`` tile on the
-    CPU interpreter) up to :data:`CPU_V_MAJOR_FLIPS` one-ulp flips, for bfloat16 there and for float16 here."""
-    if ours.dtype == F16 and v_major and DEVICE == "cpu":
-        _assert_f16_flips(ours, native, CPU_V_MAJOR_FLIPS)
-    else:
-        assert_same_bits(ours, native, v_major, flips=CPU_V_MAJOR_FLIPS)
+    return bf16_ulp(a, b) if dtype == BF16 else f16_ulp(a, b)
 
 
 def _f16_inputs(family, n, d, hk, hv, kdim, vdim, act_dtype, seed):
@@ -189,7 +165,7 @@ def test_replay_float16_rounds_against_float64_over_several_folds(family, hk, hv
                 call_replay_verify(params, x, family, n, d, pools[1], state_idx, rings[1], rec_idx, launches=1)]
         assert torch.equal(pools[0], pools[1])
         o_ref = chain_verify(truth, x, params, torch.float64)[0][real]
-        bound = _out_ulp(act_dtype, o_ref, o_ref) + _f16_ulp(truth.abs().max(), truth.abs().max()) * kdim ** -0.5
+        bound = _out_ulp(act_dtype, o_ref, o_ref) + f16_ulp(truth.abs().max(), truth.abs().max()) * kdim ** -0.5
         for o in outs:
             assert o.dtype == act_dtype
             got = o.reshape(n, d, hv, vdim)[real.to(DEVICE)].double().cpu()
@@ -218,7 +194,7 @@ def test_replay_float16_rounds_against_float64_over_several_folds(family, hk, hv
     assert (mat[:n][~real.to(DEVICE)] == 0).all() and (mat[n:] == 0).all()
     assert float((got != want).double().mean()) <= 0.02
     top = want.abs().max()
-    assert ((got - want).abs() <= _f16_ulp(top, top)).all(), float((got - want).abs().max())
+    assert ((got - want).abs() <= f16_ulp(top, top)).all(), float((got - want).abs().max())
 
 
 @pytest.mark.parametrize("act_dtype", [F16, BF16], ids=["act_f16", "act_bf16"])
@@ -243,8 +219,8 @@ def test_write_through_float16_is_sglang_decode(family, hk, hv, kdim, vdim, act_
         x = x_all.tokens(t, t + 1)
         want = sglang_decode(params, x, native, state_idx, family, n)
         got = _decode(params, x, family, n, ours, state_idx, ring, rec_idx, write_through=True)
-        _assert_same_bits_or_flips(got[0][real], want[0][real], v_major)
-        _assert_same_bits_or_flips(ours, native, v_major)
+        assert_same_bits(got[0][real], want[0][real], v_major, flips=CPU_V_MAJOR_FLIPS)
+        assert_same_bits(ours, native, v_major, flips=CPU_V_MAJOR_FLIPS)
         ours.copy_(native)
     assert not torch.equal(ours, initial)
     assert all(torch.equal(before[name], buf) for name, buf in ring.buffers().items())
@@ -273,8 +249,8 @@ def test_write_through_float16_is_sglangs_packed_decode_as_served(family, hk, hv
             got = _decode(params, x, family, n, ours, state_idx, ring, rec_idx, write_through=True,
                           round_beta=round_beta)
             if round_beta or family == "kda":
-                _assert_f16_flips(got[0][real], want[:, 0][real], CPU_V_MAJOR_FLIPS)
-                _assert_f16_flips(ours, native, CPU_V_MAJOR_FLIPS)
+                assert_same_bits(got[0][real], want[:, 0][real], DEVICE == "cpu", flips=CPU_V_MAJOR_FLIPS)
+                assert_same_bits(ours, native, DEVICE == "cpu", flips=CPU_V_MAJOR_FLIPS)
             else:
                 assert int((ours != native).sum()) > 20 * CPU_V_MAJOR_FLIPS, "beta unrounded: should differ"
             ours.copy_(native)
@@ -328,9 +304,9 @@ def test_write_through_float16_folds_the_pending_history_first(family, hk, hv, k
                                          params, torch.float64)
             pending[i] = []
             mine, want = ours[s].double().cpu(), h_ref[0].double()
-            assert ((mine - want).abs() <= _f16_ulp(mine, want) + 2.0 ** -20 * want.abs().max()).all(), (i, s)
+            assert ((mine - want).abs() <= f16_ulp(mine, want) + 2.0 ** -20 * want.abs().max()).all(), (i, s)
             o, r = got[0, j].double().cpu(), o_ref[0, 0]
-            assert ((o - r).abs() <= _f16_ulp(o, r) + 2.0 ** -20 * r.abs().max()).all(), (i, s)
+            assert ((o - r).abs() <= f16_ulp(o, r) + 2.0 ** -20 * r.abs().max()).all(), (i, s)
     assert write_throughs == 3 and folded == 6  # 4 requests hold records at the first, 2 at the second
     unused = [s for s in range(pool.shape[0]) if s not in state_idx[real].tolist()]
     assert torch.equal(ours[unused], pool.to(DEVICE)[unused])
@@ -429,3 +405,17 @@ def test_conv_ring_float16_bit_identical_to_sglang_native(transposed, conv_dtype
         out = torch.zeros_like(pool)
         conv_ring_materialise(ring, offsets, everything, out, everything, KW, transposed=transposed)
         assert torch.equal(out, pool), f"round {rnd}: whole pool"
+
+
+@pytest.mark.parametrize("family,hk,hv,kdim,vdim", [("gdn", 2, 4, 16, 40), ("kda", 2, 2, 16, 40)])
+def test_write_through_verify_float16_rounds_are_sglangs_verify_and_scatter(family, hk, hv, kdim, vdim, v_major):
+    """Replay's write-through verify with a float16 state, float16 activations and float16 raw records: five
+    rounds of verify + acceptance (accepted 0..D, a padding row, V = 40: a part column tile) against SGLang's
+    verify + masked scatter, checked as the bfloat16 rounds are (``test_replay_write_through_verify``): outputs
+    and the committed state native's bit for bit (on the CPU's ``[BV, K]`` tile, one-ulp flips of one element in a
+    thousand where the write-through folds), the window's records the float64 reference's, cursors emptied where
+    it folded, other slots untouched."""
+    folded = _run_rounds(family, hk, hv, kdim, vdim, F16, v_major, n=5, d=3, L=4, plan=[True] * 5, seed=131,
+                         act_dtype=F16)
+    assert folded >= 6
+

@@ -63,22 +63,22 @@ def _assert_close_or_same(ours, native, exact, v_major):
         assert ((ours.double() - native.double()).abs() <= 2 ** -6 * native.double().abs().max()).all()
 
 
-def _run_rounds(family, hk, hv, kdim, vdim, state_dtype, v_major, n, d, L, plan, seed):
+def _run_rounds(family, hk, hv, kdim, vdim, state_dtype, v_major, n, d, L, plan, seed, act_dtype=torch.bfloat16):
     """Rounds of verify + acceptance on a replay pool beside SGLang's native rounds on a copy; ``plan`` one
-    bool per round (write-through or output-only). Checks every round; returns how many real requests folded
-    inside a write-through."""
+    bool per round (write-through or output-only); activations and the ring's raw records in ``act_dtype``.
+    Checks every round; returns how many real requests folded inside a write-through."""
     kda = family == "kda"
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     native, ours = pool.to(DEVICE), pool.to(DEVICE).clone()
-    ring = ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, kda, torch.bfloat16, DEVICE)
+    ring = ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, kda, act_dtype, DEVICE)
     rec_idx = torch.arange(2, n + 2, dtype=torch.int32, device=DEVICE)  # slots 0 and 1 belong to nobody
     rec_idx[state_idx.to(DEVICE) < 0] = -1  # as served: a padding row has neither slot
     real = [i for i in range(n) if state_idx[i] >= 0]
     slots = rec_idx[real].long()
     exact, folded = True, 0  # bit for bit with native: float32 state, or no output-only round so far
     for r, through in enumerate(plan):
-        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+        x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, act_dtype)
         last = torch.randint(-1, d, (n,), generator=gen)  # accepted lengths 0 .. D
         last[real[r % len(real)]] = (d - 1) if r % 2 else -1  # both ends in every run
         committed_before = native.clone()
