@@ -82,7 +82,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     window = _ptxas_resources(
         replay_window_kernel,
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
-        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold, PDL=SERVED_PDL),
+        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold, KEY_HEADS=False, GP=1,
+             PDL=SERVED_PDL),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)

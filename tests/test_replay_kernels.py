@@ -182,8 +182,8 @@ def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
-    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches``
-    (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
+    """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches`` /
+    ``window_key_heads`` (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
     a fold (folds replay the raw records)."""
@@ -203,7 +203,10 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=16, num_warps=1, fold_first=False, pdl=pdl_available(DEVICE), **two),  # overlapping
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
-                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1)):  # ... wide, two K steps
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1),  # ... wide, two K steps
+                    *((dict(block_v=16, num_warps=1, window_key_heads=True, **two),  # GDN: a window program per key
+                       dict(block_v=16, num_warps=1, window_key_heads=True, fold_first=True, **two))  # head
+                      if family == "gdn" else ())):
         ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)  # every request folds in the launch
         p = pool.to(DEVICE).clone()
         inp = to_device(flat_inputs(x, family, n, d), DEVICE)
@@ -230,9 +233,50 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="at least 16 rows"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_k=8, dot=True)
+    with pytest.raises(ValueError, match="window_key_heads"):  # KDA's gates are per channel; one launch
+        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_key_heads=True,
+                      launches=2 if family == "kda" else 1)
     with pytest.raises(ValueError, match="window_warps 3"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
+
+
+@pytest.mark.parametrize("hk,hv,d", [(1, 3, 1), (2, 4, 3), (2, 2, 2)])
+def test_window_per_key_head_matches_per_value_head(hk, hv, d):
+    """GDN's window launch with one program per key head (``window_key_heads``; 3 value heads per key head: a
+    padded lane, 1: none shared) against one program per value head, round after round through fused folds, with
+    a padding row and a request accepting nothing: checkpoints and every ring record but ``u`` bit for bit (the
+    same gate, beta and normalisation code), outputs and ``u`` to float32 rounding (each coefficient a decay times
+    a shared dot product instead of a dot product of decayed keys)."""
+    n, kdim, vdim, L = 4, 16, 32, 4
+    params, _, pool, state_idx = make_case("gdn", n, d, hk, hv, kdim, vdim, torch.float32, seed=80 + hv)
+    state_idx[2] = -1
+    rec_idx = torch.tensor([0, 2, -1, 3], dtype=torch.int32, device=DEVICE)
+    real = (state_idx >= 0).to(DEVICE)
+    pools = [pool.to(DEVICE).clone() for _ in range(2)]
+    rings = [ReplayRing.allocate(n, L, hk, hv, kdim, vdim, False, torch.bfloat16, DEVICE) for _ in range(2)]
+    gen = torch.Generator().manual_seed(81)
+    folds = 0
+    for _ in range(2 * L):
+        x = random_inputs("gdn", n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
+        accepted = torch.randint(1, d + 1, (n,), generator=gen).to(torch.int32)
+        accepted[0] = 0  # a request that accepts nothing this round
+        accepted = accepted.to(DEVICE)
+        folds += int(fold_needed(rings[0], rec_idx, d).sum())
+        outs = [call_replay_verify(params, x, "gdn", n, d, p, state_idx, ring, rec_idx, launches=2, window_key_heads=kh)
+                for p, ring, kh in zip(pools, rings, (False, True))]
+        for ring in rings:
+            advance(ring, rec_idx, accepted, window=d)
+        torch.testing.assert_close(outs[1].reshape(n, d, hv, vdim)[real].float(),
+                                   outs[0].reshape(n, d, hv, vdim)[real].float(), rtol=1e-2, atol=1e-2)
+        assert torch.equal(pools[0], pools[1])
+        for name, t in rings[0].buffers().items():
+            if name == "u":
+                torch.testing.assert_close(rings[1].u, t, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(t, rings[1].buffers()[name]), name
+    assert folds >= 2
 
 
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import (apply_records, beta_gate, gate_vector, l2normalize, packed_beta,
+from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
                                store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
 
@@ -101,18 +101,28 @@ def replay_window_kernel(
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
+    FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
     ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
     and value head (:func:`window_program`); with ``FOLD_FIRST`` one more program writes the output launch's
     fold-first ``order`` (:func:`fold_order_program`) — no launch of its own. ``PDL``: every program first lets
     the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
-    anything written here)."""
+    anything written here). ``KEY_HEADS`` (GDN): one program per request and key head instead
+    (:func:`window_key_head_program`; grid ``(N * H + FOLD_FIRST,)``, ``GP`` the next power of two of
+    ``HV // H``)."""
     i_nh = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if FOLD_FIRST:
+    if KEY_HEADS:
+        if FOLD_FIRST and i_nh == N * H:
+            fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
+        else:
+            window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw,
+                                    r_count, r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T,
+                                    stride_a, stride_q, stride_k, stride_b, H, HV, K, L, TP, W, GP, BETA_ACTIVATED,
+                                    ROUND_BETA, FUSED_FOLD)
+    elif FOLD_FIRST:
         if i_nh == N * HV:
             fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
         else:
@@ -182,6 +192,86 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
             r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
             stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
             ROUND_BETA)
+
+
+@triton.jit
+def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
+                            r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
+                            stride_k, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                            TP: tl.constexpr, W: tl.constexpr, GP: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
+                            ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr):
+    """GDN window program ``i_nh`` for request ``i_nh // H`` and key head ``i_nh % H``: what
+    :func:`window_program` writes for each of the key head's ``G = HV // H`` value heads (``proj`` rows,
+    g and beta records; normalised and raw k once), with the history's keys read once. GDN's gate is one
+    scalar per value head, so every coefficient is a decay times a dot product of normalised keys (and
+    queries) that all ``G`` value heads share: ``(k_j * e^{G_t - G_j}) . k_t = e^{G_t - G_j} (k_j . k_t)``,
+    the dot products taken once per key head. ``GP`` the next power of two of ``G``. Records are
+    :func:`window_program`'s bits; ``proj`` agrees to float32 rounding (another product order)."""
+    G: tl.constexpr = HV // H
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = i_n * T
+    o_k = tl.arange(0, K)
+    o_l = tl.arange(0, L)
+    o_t = tl.arange(0, TP)
+    o_g = tl.arange(0, GP)
+    m_g = o_g < G
+    i_hvs = i_h * G + tl.minimum(o_g, G - 1)  # the key head's value heads (a padding lane repeats the last)
+    _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
+    rec0 = r * 2 * L + phase.to(tl.int64) * L
+
+    # the history's keys (once), each value head's decays to the end of the history and total log-decay
+    m_l = o_l < c
+    p_rec = rec0 + o_l
+    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
+    b_gh = tl.load(r_g + p_rec[None, :] * HV + i_hvs[:, None], mask=m_l[None, :], other=0)  # [GP, L]
+    b_Gt = tl.sum(b_gh, 1)
+    b_dec = tl.exp(b_Gt[:, None] - tl.cumsum(b_gh, 1))
+
+    b_Gw = tl.zeros([GP], dtype=tl.float32)  # log-decay of the window so far, per value head
+    b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys, row j = token j
+    b_Gws = tl.zeros([GP, TP], dtype=tl.float32)  # ... and each value head's log-decays there
+    writes = m_g & valid
+    for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
+        live = t < T
+        t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's inputs, stores nothing
+        row = bos + t_in
+        b_g = decay_gate(A_log + i_hvs, a + row * stride_a + i_hvs, dt_bias + i_hvs, m_g, softplus_beta,
+                         softplus_threshold, False)
+        b_beta = packed_beta(beta_gate(b + row * stride_b + i_hvs, BETA_ACTIVATED), b, ROUND_BETA)
+        b_k_raw = tl.load(k + row * stride_k + i_h * K + o_k)
+        b_k = l2normalize(b_k_raw.to(tl.float32))
+        b_q = l2normalize(tl.load(q + row * stride_q + i_h * K + o_k).to(tl.float32)) * scale
+        b_Gt += b_g
+        b_Gw += b_g
+        b_e = tl.exp(b_Gt)
+        b_ew = tl.exp(b_Gw)
+        b_wd = tl.exp(b_Gw[:, None] - b_Gws)  # [GP, TP] decays of the earlier window tokens
+        p_rows = proj + ((bos + t) * HV + i_hvs) * W  # [GP]
+        m_row = m_g & live
+        tl.store(p_rows[:, None] + o_k[None, :], b_e[:, None] * b_k[None, :], mask=m_row[:, None])
+        tl.store(p_rows[:, None] + K + o_k[None, :], b_e[:, None] * b_q[None, :], mask=m_row[:, None])
+        b_hk = tl.sum(b_kh * b_k[None, :], 1)  # [L] history keys . k_t, shared by the value heads
+        b_hq = tl.sum(b_kh * b_q[None, :], 1)
+        tl.store(p_rows[:, None] + 2 * K + o_l[None, :], b_dec * b_ew[:, None] * b_hk[None, :], mask=m_row[:, None])
+        tl.store(p_rows[:, None] + 2 * K + L + o_l[None, :], b_dec * b_ew[:, None] * b_hq[None, :],
+                 mask=m_row[:, None])
+        b_wk = tl.sum(b_kw * b_k[None, :], 1)  # [TP] window keys . k_t
+        b_wq = tl.sum(b_kw * b_q[None, :], 1)
+        earlier = (o_t < t)[None, :]
+        tl.store(p_rows[:, None] + 2 * K + 2 * L + o_t[None, :], tl.where(earlier, b_wd * b_wk[None, :], 0),
+                 mask=m_row[:, None])
+        tl.store(p_rows[:, None] + 2 * K + 2 * L + TP + o_t[None, :],
+                 tl.where(earlier, b_wd * b_wq[None, :], tl.where((o_t == t)[None, :], tl.sum(b_k * b_q), 0)),
+                 mask=m_row[:, None])
+        tl.store(p_rows + 2 * K + 2 * L + 2 * TP, b_beta, mask=m_row)
+        pos = rec0 + c + t
+        rec = live & valid
+        tl.store(r_kn + (pos * H + i_h) * K + o_k, b_k, mask=(o_k < K) & rec)
+        tl.store(r_kraw + (pos * H + i_h) * K + o_k, b_k_raw, mask=(o_k < K) & rec)
+        tl.store(r_g + pos * HV + i_hvs, b_g, mask=writes & live)
+        tl.store(r_beta + pos * HV + i_hvs, b_beta, mask=writes & live)
+        b_kw = tl.where(o_t[:, None] == t, b_k[None, :], b_kw)
+        b_Gws = tl.where(o_t[None, :] == t, b_Gw[:, None], b_Gws)
 
 
 @triton.jit
@@ -640,7 +730,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   scale: float | None = None, round_beta: bool = False, fused_fold: bool = True,
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
-                  dot: bool | None = None, launches: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                  dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
+                  window_key_heads: bool = False) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -663,8 +754,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     choice for the launch's requests), ``window_warps`` tiles the window launch (default:
     :func:`served_window_warps`); ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
-    or on CUDA cores. Checkpoints and every record but ``u`` are the same bits for every choice; outputs and
-    ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
+    or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
+    (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value heads)
+    instead of one per value head. Checkpoints and every record but ``u`` are the same bits for every choice;
+    outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -708,6 +801,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if pdl and not pdl_available(q.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                          "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
+    if window_key_heads and (is_kda or launches != 2):
+        raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
+                         "gates are per channel and value head); pass window_key_heads=False")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
@@ -725,12 +821,13 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         return o
     W = 2 * kdim + 2 * L + 2 * TP + 1
     proj = torch.empty(t_all, hv, W, dtype=torch.float32, device=q.device)
-    replay_window_kernel[(n * hv + fold_first,)](
+    replay_window_kernel[(n * (hk if window_key_heads else hv) + fold_first,)](
         A_log, a, dt_bias, q, k, b, proj, state_indices,
         ring.k_norm, ring.g, ring.beta, ring.k_raw, ring.count, ring.phase, record_indices, order,
         1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
-        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, PDL=pdl, num_warps=window_warps, num_stages=1)
+        FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, KEY_HEADS=window_key_heads,
+        GP=triton.next_power_of_2(hv // hk), PDL=pdl, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
