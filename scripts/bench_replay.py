@@ -294,8 +294,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
-            elif opt == "keyhead":  # two launches: the window launch's option
-                kw["window_key_heads"] = True
+            elif opt in ("keyhead", "valuehead"):  # two launches: the window launch's option
+                kw["window_key_heads"] = opt == "keyhead"
                 kw.setdefault("launches", 2)
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
@@ -305,15 +305,16 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :keyhead (GDN: a window program per key head; two launches), :fma, "
+                             ":sN (num_stages: 1-4), :keyhead / :valuehead (a window program per key head, GDN's "
+                             "served choice, or per value head; two launches), :fma, "
                              ":dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
                              "write-through verify loading each draft token's inputs during the previous token's "
                              "step, or not; else as served)")
-        if kw.get("window_key_heads") and kw["launches"] == 1:
-            parser.error(f"--variants {value}: :keyhead tiles the window launch of two; drop :one")
+        if "window_key_heads" in kw and kw["launches"] == 1:
+            parser.error(f"--variants {value}: :keyhead / :valuehead tile the window launch of two; drop :one")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
             if others:
@@ -411,12 +412,13 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
                            "[:pdl|:nopdl][:through|:nothrough]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
-                        "key head instead of per value head (:keyhead), the checkpoint rows per step of "
+                        "key head or per value head (:keyhead / :valuehead; served: per key head), the checkpoint "
+                        "rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "

@@ -71,18 +71,21 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     import triton
 
     from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_PDL, replay_output_kernel,
-                                                    replay_step_kernel, replay_window_kernel, served_window_warps)
+                                                    replay_step_kernel, replay_window_kernel, served_window_key_heads,
+                                                    served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
-    shared = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, L=history, TP=tp,
+    heads = FAMILIES[family]
+    shared = dict(H=heads["hk"], HV=heads["hv"], K=K, L=history, TP=tp,
                   W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
     ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
                 r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
         replay_window_kernel,
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
-        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold, KEY_HEADS=False, GP=1,
+        dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
+             KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
              PDL=SERVED_PDL),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling

@@ -17,7 +17,7 @@ from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
                                                 WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
                                                 pdl_available, replay_step_kernel, replay_window_kernel,
-                                                served_launches)
+                                                served_launches, served_window_key_heads)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -381,6 +381,12 @@ def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
     assert [served_launches(1, False, L) for L in (8, 16, 32, 64)] == [1, 1, 1, 2]
     assert [served_launches(t, False, 32) for t in (1, 2, 8)] == [1, 2, 2]
     assert [served_launches(1, True, L) for L in (8, 16)] == [2, 2]
+
+
+def test_gdn_window_launches_are_served_per_key_head():
+    """GDN's window launch runs a program per key head wherever there is one (two launches); KDA's per value head."""
+    assert [served_window_key_heads(kda, launches) for kda in (False, True) for launches in (1, 2)] == [
+        False, True, False, False]
 
 
 @pytest.mark.gpu

@@ -110,9 +110,9 @@ def test_bench_replay_variants_name_the_launch_options():
         ("64x2:through:kv:s2", dict(block_v=64, num_warps=2, write_through=True, v_major=False, num_stages=2))]
     assert bench_replay.parse_variants(p, ["served:through:prefetch"]) == [
         ("served:through:prefetch", dict(write_through=True, prefetch=True))]
-    assert bench_replay.parse_variants(p, ["served:keyhead", "32x1:keyhead:two"]) == [
+    assert bench_replay.parse_variants(p, ["served:keyhead", "32x1:valuehead:two"]) == [
         ("served:keyhead", dict(window_key_heads=True, launches=2)),
-        ("32x1:keyhead:two", dict(block_v=32, num_warps=1, window_key_heads=True, launches=2))]
+        ("32x1:valuehead:two", dict(block_v=32, num_warps=1, window_key_heads=False, launches=2))]
 
 
 def test_bench_replay_refuses_a_key_head_window_it_cannot_run():
@@ -120,6 +120,8 @@ def test_bench_replay_refuses_a_key_head_window_it_cannot_run():
     p = bench_replay.argparse.ArgumentParser()
     with pytest.raises(SystemExit):
         bench_replay.parse_variants(p, ["served:keyhead:one"])
+    with pytest.raises(SystemExit):
+        bench_replay.parse_variants(p, ["served:valuehead:one"])
     proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused", "--variants", "served:keyhead")
     assert proc.returncode == 2 and "pass --families gdn" in proc.stderr
 

@@ -691,6 +691,18 @@ def served_launches(tokens: int, is_kda: bool, history: int) -> int:
     return 1 if short or (tokens == 1 and history <= ONE_TOKEN_MAX_HISTORY) else 2
 
 
+def served_window_key_heads(is_kda: bool, launches: int) -> bool:
+    """Whether a served window launch runs one program per request and key head (:func:`window_key_head_program`)
+    rather than per value head: for every GDN verify of two launches (KDA's gates are per channel and value head;
+    one launch has no window launch). On an H100 (bench/results/replay/keyhead_20261206, commit 0689fd3, both side
+    by side in one run, Qwen3-Next heads: 2 value heads per key head) it was faster at every case measured — float32
+    decode at L = 16 1.03-1.04x (batch 128: window 12.8 -> 8.3 µs, 141.4 -> 136.7 µs a step), at L = 32 1.05-1.07x;
+    D = 4 1.03-1.10x at L = 16, 1.10-1.12x at L = 32 (batch 256: window 137.2 -> 77.0 µs); bfloat16 1.01-1.13x —
+    the key head's history keys read and dotted once instead of once per value head, and half the programs (one
+    wave where the per-value-head launch needed two)."""
+    return not is_kda and launches == 2
+
+
 SERVED_PDL = False
 """Whether a served two-launch verify overlaps its output launch with its window launch (programmatic dependent
 launch, ``replay_verify(pdl=True)``). Off: on the H200 (bench/results/replay/pdl_20261205, commit 4a2c657, both
@@ -731,7 +743,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  window_key_heads: bool = False) -> torch.Tensor:
+                  window_key_heads: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -756,7 +768,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
     (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value heads)
-    instead of one per value head. Checkpoints and every record but ``u`` are the same bits for every choice;
+    or one per value head (default: :func:`served_window_key_heads`). Checkpoints and every record but ``u``
+    are the same bits for every choice;
     outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
@@ -801,6 +814,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if pdl and not pdl_available(q.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability 9.0 or "
                          "newer (and no TRITON_INTERPRET); pass pdl=False or leave it None")
+    window_key_heads = served_window_key_heads(is_kda, launches) if window_key_heads is None else window_key_heads
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
