@@ -332,28 +332,34 @@ def test_hicache_loaded_slots_start_with_an_empty_history(mode, cuda_scratch_on_
 
 
 @pytest.mark.parametrize("family,history,state_dtype,draft,topk,level,says", [
-    ("gdn", 16, torch.float32, 1, 1, "INFO", "writes through below 64 requests per step"),
-    ("gdn", 16, torch.float32, 1, 1, "INFO", "output-only from 64: 1.17-1.24x native from 64 to 256"),
+    ("gdn", 16, torch.float32, 1, 1, "INFO", "writes through below 32 requests per step"),
+    ("gdn", 16, torch.float32, 1, 1, "INFO", "output-only from 32: 1.06x native at 32 running requests, 1.36-1.38x"),
+    ("kda", 16, torch.float32, 1, 1, "INFO", "output-only from 64: 1.13-1.15x native from 64 to 256"),
     ("kda", 16, torch.float32, 4, 1, "INFO", "chain verify writes through below 32 requests per step"),
-    ("kda", 16, torch.float32, 4, 1, "INFO", "1.48-1.92x native at every batch measured); output-only from 32: "
-                                             "1.94-2.40x"),
+    ("kda", 16, torch.float32, 4, 1, "INFO", "1.48-1.92x native at every batch measured; "
+                                             "bench/results/replay/writethrough_verify_20261205, commits 08d2506 "
+                                             "and 7f7be68, H100); output-only from 32: 1.94-2.40x"),
     ("kda", 32, torch.float32, 1, 1, "INFO", "writes through at every batch"),
-    ("gdn", 64, torch.float32, 4, 1, "INFO", "writes through at every batch"),
+    ("gdn", 64, torch.float32, 4, 1, "INFO", "plain decode writes through below 128 requests per step"),
     ("kda", 64, torch.float32, 1, 1, "INFO", "0.97-1.11x native at every batch measured"),
-    ("gdn", 32, torch.float32, 1, 1, "INFO", "below 128 requests per step"),
+    ("gdn", 32, torch.float32, 1, 1, "INFO", "below 64 requests per step"),
+    ("gdn", 64, torch.float32, 1, 1, "INFO", "output-only from 128: 1.04-1.13x"),
+    ("gdn", 32, torch.bfloat16, 1, 1, "WARNING", "output-only from 128: 0.97x native"),
+    ("gdn", 64, torch.bfloat16, 4, 1, "INFO", "chain verify writes through below 128 requests"),
     ("gdn", 64, torch.float32, 4, 1, "INFO", "chain verify writes through below 128 requests"),
     ("kda", 64, torch.float32, 4, 1, "INFO", "chain verify writes through at every batch"),
     ("kda", 16, torch.float16, 4, 1, "INFO", "0.85-0.99x from 8"),
     ("kda", 16, torch.bfloat16, 4, 1, "INFO", "a step ahead, 1.12 / 1.05 / 1.06x at 1 / 16 / 256 requests"),
     ("kda", 32, torch.float32, 4, 1, "INFO", "below 64 requests per step"),
-    ("gdn", 32, torch.bfloat16, 4, 1, "INFO", "output-only from 32: 1.14-1.53x"),
+    ("gdn", 32, torch.bfloat16, 4, 1, "INFO", "output-only from 32: 1.14-1.58x"),
     ("kda", 16, torch.float16, 1, 1, "WARNING", "writes through below 128 requests per step"),
     ("kda", 16, torch.float16, 1, 1, "INFO", "a float16 state rounds where native's does"),
     ("gdn", 64, torch.bfloat16, 1, 1, "WARNING", "0.87-0.92x from 32 to 256 (SGLang's packed decode"),
-    ("gdn", 16, torch.bfloat16, 4, 1, "INFO", "1.00-1.21x native at every batch measured); output-only from 32: "
-                                              "1.40-1.93x"),
-    ("gdn", 8, torch.float32, 1, 1, "INFO", "1.17-1.24x native from 64 to 256 running requests (measured at L = 16)"),
-    ("gdn", 8, torch.float32, 4, 1, "INFO", "2.04-2.67x native from 32 to 256 requests (measured at L = 16)"),
+    ("gdn", 16, torch.bfloat16, 4, 1, "INFO", "output-only from 32: 1.44-2.04x"),
+    ("gdn", 16, torch.bfloat16, 1, 1, "INFO", "output-only from 128: 1.05-1.11x native"),
+    ("gdn", 8, torch.float32, 1, 1, "INFO", "1.36-1.38x from 64 to 256 (measured at L = 16)"),
+    ("gdn", 8, torch.float32, 4, 1, "INFO", "2.16-2.90x native from 32 to 256 requests (D = 4) (measured at L = 16)"),
+    ("gdn", 16, torch.float32, 4, 1, "INFO", "keyhead_bounds_20261206, commit 4a280d3, H100"),
     ("gdn", 16, torch.float32, 4, 3, "INFO", "tree verify runs compact's kernels"),
     ("kda", 32, torch.bfloat16, 1, 1, "WARNING", "for speed pass --mamba-ssm-dtype float32, for memory "
                                            "--ssm-state-mode compact"),
@@ -368,8 +374,10 @@ def test_replay_says_at_startup_where_it_is_slower_than_native(family, history, 
     lines = replay_tradeoffs(cfg, family, state_dtype, tree_verify=topk > 1)  # the pool's dtype is what counts
     assert any(logging.getLevelName(lv) == level and says in text for lv, text in lines), lines
     # a warning exactly where plain decode was never faster than native: a 2-byte state (level below 32
-    # requests, 0.86-0.92x from 32: native's packed decode moves half the bytes); the rest is information
-    assert [lv for lv, _ in lines] == [logging.WARNING if state_dtype != torch.float32 else logging.INFO] + \
+    # requests, 0.86-0.92x from 32: native's packed decode moves half the bytes) except GDN at L <= 16, whose
+    # output-only decode is 1.05-1.11x native from 128 requests; the rest is information
+    never_faster = state_dtype != torch.float32 and not (family == "gdn" and history <= 16)
+    assert [lv for lv, _ in lines] == [logging.WARNING if never_faster else logging.INFO] + \
         [logging.INFO] * (len(lines) - 1)
     assert len(lines) == 1 + (draft > 1) + (state_dtype != torch.float32)  # decode, verify (or tree), rounding
     assert replay_tradeoffs(SSMModeConfig(mode="compact"), family, torch.float32, tree_verify=False) == []

@@ -17,21 +17,27 @@ from ..config import SSMModeConfig, dtype_name
 from ..ops.replay.decode import write_through_max_requests
 from ..ops.replay.write_through import state_bytes, write_through_verify_below
 
+KEY_HEAD_SOURCE = "bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100"
+"""Where GDN's output-only figures come from since its window launch runs per key head (both paths side by side
+with native in one run: plain decode, and D = 4 speculative rounds)."""
 OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
 WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"
-"""Where the plain-decode figures come from: the output-only path's (both paths side by side in one run per state
-dtype) and the write-through's as served now (its 16-column tile, side by side with native in one run)."""
+"""Where KDA's plain-decode output-only figures come from (both paths side by side in one run per state dtype)
+and the write-through's as served now (its 16-column tile, side by side with native in one run)."""
 
 OUTPUT_ONLY_DECODE = {
-    ("gdn", 16, 4): ("1.17-1.24x native from 64 to 256 running requests", False),
-    ("kda", 16, 4): ("1.13-1.15x native from 64 to 256 running requests", False),
-    ("gdn", 32, 4): ("1.11-1.12x native at 128-256 running requests", False),
-    ("gdn", 16, 2): ("0.88-0.91x native at 128-256 running requests", True),
-    ("kda", 16, 2): ("0.76x native at 128-256 running requests", True),
+    ("gdn", 16, 4): ("1.06x native at 32 running requests, 1.36-1.38x from 64 to 256", False, KEY_HEAD_SOURCE),
+    ("kda", 16, 4): ("1.13-1.15x native from 64 to 256 running requests", False, OUTPUT_ONLY_SOURCE),
+    ("gdn", 32, 4): ("1.02x native at 64 running requests, 1.32-1.34x at 128-256", False, KEY_HEAD_SOURCE),
+    ("gdn", 64, 4): ("1.04-1.13x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
+    ("gdn", 16, 2): ("1.05-1.11x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
+    ("kda", 16, 2): ("0.76x native at 128-256 running requests", True, OUTPUT_ONLY_SOURCE),
+    ("gdn", 32, 2): ("0.97x native at 128-256 running requests (the write-through 0.88x there)", True,
+                     KEY_HEAD_SOURCE),
 }
 """Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
-``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, and whether it was slower than
-native."""
+``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, whether it was slower than
+native, and where it was measured."""
 WRITE_THROUGH = ("a write-through is SGLang's decode work in one launch (the state read and written, a float32 "
                  "state's bits native's) plus the fold of any pending history")
 WRITE_THROUGH_SPEED = {
@@ -67,18 +73,20 @@ WRITE_THROUGH_VERIFY_SPEED = {
 """A speculative round (verify + acceptance) written through, against native, per ``(family, state bytes)`` (a
 steady write-through folds only the last round's records, so one figure for every L)."""
 OUTPUT_ONLY_VERIFY = {
-    ("gdn", 16, 4): "2.04-2.67x native from 32 to 256 requests",
-    ("kda", 16, 4): "1.94-2.40x native from 32 to 256 requests",
-    ("gdn", 32, 4): "2.17-2.42x native from 64 to 256 requests",
-    ("kda", 32, 4): "1.61-2.16x native from 64 to 256 requests",
-    ("gdn", 64, 4): "1.84-1.99x native at 128-256 requests",
-    ("gdn", 16, 2): "1.40-1.93x native from 32 to 256 requests",
-    ("kda", 16, 2): "1.24-1.71x native from 32 to 256 requests",
-    ("gdn", 32, 2): "1.14-1.53x native from 32 to 256 requests",
-    ("kda", 32, 2): "0.98-1.27x native from 32 to 256 requests",
+    ("gdn", 16, 4): ("2.16-2.90x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
+    ("kda", 16, 4): ("1.94-2.40x native from 32 to 256 requests", VERIFY_SOURCE),
+    ("gdn", 32, 4): ("2.39-2.73x native from 64 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
+    ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests", VERIFY_SOURCE),
+    ("gdn", 64, 4): ("2.06-2.16x native at 128-256 requests (D = 4)", KEY_HEAD_SOURCE),
+    ("gdn", 16, 2): ("1.44-2.04x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
+    ("kda", 16, 2): ("1.24-1.71x native from 32 to 256 requests", VERIFY_SOURCE),
+    ("gdn", 32, 2): ("1.14-1.58x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
+    ("kda", 32, 2): ("0.98-1.27x native from 32 to 256 requests", VERIFY_SOURCE),
+    ("gdn", 64, 2): ("1.18-1.27x native at 128-256 requests (D = 4)", KEY_HEAD_SOURCE),
 }
 """A speculative round served output-only (from ``ops.replay.write_through.WRITE_THROUGH_VERIFY_BELOW`` requests
-on) per ``(family, history, state bytes)``: the measured ratio there."""
+on) per ``(family, history, state bytes)``: the measured ratio there and where it was measured (KDA's at D = 2
+and 4, GDN's since the key-head window at D = 4)."""
 
 
 def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tuple[str, bool]:
@@ -93,9 +101,9 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
         return ("plain decode writes through at every batch (output-only decode was measured slower than that at "
                 f"every batch for this history and state): {through}"), through_slower
     measured = "" if history >= 16 else " (measured at L = 16)"
-    output_only, output_only_slower = OUTPUT_ONLY_DECODE[(family, max(history, 16), nbytes)]
+    output_only, output_only_slower, source = OUTPUT_ONLY_DECODE[(family, max(history, 16), nbytes)]
     return (f"plain decode writes through below {most + 1} requests per step, counting a CUDA graph's padding "
-            f"({through}); output-only from {most + 1}: {output_only}{measured} ({OUTPUT_ONLY_SOURCE})",
+            f"({through}); output-only from {most + 1}: {output_only}{measured} ({source})",
             through_slower and output_only_slower)
 
 
@@ -109,9 +117,9 @@ def verify_sentence(family: str, history: int, state_dtype: torch.dtype) -> str:
         return (f"a speculative chain verify writes through at every batch (output-only verify was measured slower "
                 f"than that at every batch for this history and state): {through} ({VERIFY_SOURCE})")
     measured = "" if history >= 16 else " (measured at L = 16)"
+    output_only, source = OUTPUT_ONLY_VERIFY[(family, max(history, 16), nbytes)]
     return (f"a speculative chain verify writes through below {below} requests per step, counting a CUDA graph's "
-            f"padding ({through}); output-only from {below}: "
-            f"{OUTPUT_ONLY_VERIFY[(family, max(history, 16), nbytes)]}{measured} ({VERIFY_SOURCE})")
+            f"padding ({through}; {VERIFY_SOURCE}); output-only from {below}: {output_only}{measured} ({source})")
 
 
 def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,

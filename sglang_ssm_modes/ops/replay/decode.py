@@ -25,14 +25,19 @@ from .write_through import replay_write_through, state_bytes
 
 
 WRITE_THROUGH_BELOW = {
-    ("gdn", 16, 4): 64, ("kda", 16, 4): 64, ("gdn", 32, 4): 128, ("kda", 32, 4): None,
-    ("gdn", 64, 4): None, ("kda", 64, 4): None,
-    ("gdn", 16, 2): 128, ("kda", 16, 2): 128, ("gdn", 32, 2): None, ("kda", 32, 2): None,
+    ("gdn", 16, 4): 32, ("kda", 16, 4): 64, ("gdn", 32, 4): 64, ("kda", 32, 4): None,
+    ("gdn", 64, 4): 128, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 128, ("kda", 16, 2): 128, ("gdn", 32, 2): 128, ("kda", 32, 2): None,
     ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
-never — write-through at every batch). Measured side by side on the H200 (bench/results/replay/
-writethrough_20261205, commit a6a4a2a; ratios against SGLang's decode, write-through / output-only):
+never — write-through at every batch). GDN's rows since its window launch runs per key head
+(:func:`~.verify.served_window_key_heads`), both paths side by side on an H100 (bench/results/replay/
+keyhead_bounds_20261206, commit 4a280d3; ratios against SGLang's decode, write-through / output-only, batch 16 /
+32 / 64 / 128 / 256): float32 L = 16 1.00 / 0.67, 1.06, 1.36, 1.36, 1.38x; L = 32 1.00 / 0.73, 0.96, 1.02,
+1.34, 1.32x; L = 64 1.00 / 0.63, 0.70, 0.71, 1.04, 1.13x; bfloat16 (write-through 0.87-0.98x) L = 16 output-only
+0.45, 0.75, 0.81, 1.11, 1.05x; L = 32 0.43, 0.51, 0.70, 0.97, 0.97x; L = 64 0.46-0.75x. KDA's rows (and GDN's
+before) measured side by side on the H200 (bench/results/replay/writethrough_20261205, commit a6a4a2a):
 float32 GDN L = 16 0.90-0.92 / 0.94-0.95x at 32 requests (a tie), 0.94-0.96 / 1.17-1.21x at 64; KDA L = 16
 0.94-0.96 / 0.89-0.90x at 32, 0.96 / 1.13-1.15x at 64; GDN L = 32 0.97 / 0.87x at 64, 0.97 / 1.12x at
 128; KDA L = 32 and both at L = 64: output-only slower at every batch (0.43-0.86x against 0.84-1.22x).

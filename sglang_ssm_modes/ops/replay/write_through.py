@@ -251,7 +251,7 @@ taken). Registers a thread there (sm_90): KDA 237 -> 239 (bfloat16), 228 -> 239 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
     ("gdn", 32, 4): 64, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
-    ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): None, ("kda", 64, 2): None,
+    ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
 (:func:`~.verify.replay_verify`; None: never — write-through at every batch). Measured side by side on an H100
@@ -264,7 +264,13 @@ and 4, the same bounds for both). float32: L = 16 GDN 1.14-1.55 / 0.89-1.16x bel
 everywhere (1.56-1.91 / 0.74-1.45x). bfloat16: L = 16 write-through ahead below 32 (GDN 1.00-1.15 / 0.72-0.91x,
 KDA 0.89-1.11 / 0.62-0.76x), output-only from 32 (GDN 1.40-1.93x, KDA 1.24-1.71x against 0.86-1.21x); L = 32
 likewise (output-only from 32: GDN 1.14-1.53x, KDA 0.98-1.27x against 0.85-1.20x); L = 64 write-through ahead
-or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). A history of L < 16 takes L = 16's
+or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). GDN's window launch per key head
+(:func:`~.verify.served_window_key_heads`; bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100,
+D = 4, both side by side, batch 16 / 32 / 64 / 128 / 256) moved one bound: bfloat16 L = 64, write-through
+1.13-1.17x, output-only 0.84, 0.90, 1.06, 1.18, 1.27x (output-only from 128; 64 a tie). The others held: float32
+L = 16 1.61-1.71 / 1.62 (a tie at 16), 2.16-2.90x; L = 32 1.60-1.71 / 1.20, 1.46 then 2.39-2.73x from 64; L = 64
+1.58-1.72 / 1.33-1.42x below 64, 1.67 at 64 (a tie), 2.06-2.16x from 128; bfloat16 L = 16 1.10-1.14 / 1.15 (a tie
+at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. A history of L < 16 takes L = 16's
 bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
