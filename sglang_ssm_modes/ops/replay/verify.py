@@ -10,7 +10,8 @@ gate broadcast) and normalised ``k``, scaled ``q``::
 
 Two launches split the work by the axis it runs over (a small GDN window runs in one, below):
 
-* :func:`replay_window_kernel` (one program per request and value head) does everything that runs
+* :func:`replay_window_kernel` (one program per request and value head; served for GDN per request and key
+  head, :func:`served_window_key_heads`) does everything that runs
   over K: the window's gates, normalised keys and queries, the decayed projections ``e^{G_t} * k_t``,
   ``e^{G_t} * q_t``, and the scalar coefficients ``(k_j * e^{G_t - G_j}) . k_t`` (and ``. q_t``) of
   every history record and earlier window token — reading the history's keys once per head — and
