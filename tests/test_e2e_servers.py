@@ -20,12 +20,14 @@ FAKE = Path(__file__).with_name("fake_sglang_server.py")
 @pytest.fixture
 def fake_servers(monkeypatch, tmp_path):
     """Each mode's server is the stand-in with a behaviour: compact exact, replay noisy; the
-    ``bf16`` variant is a near-tie divergence, ``nograph`` a real one, ``noradix`` a crash."""
+    ``bf16`` variant is a near-tie divergence, ``nograph`` a real one, ``noradix`` a crash; a native server
+    behaves as native except under ``maxrun8`` (a real divergence: another batching)."""
     behaviour = {"native": "exact", "compact": "exact", "replay": "noisy"}
-    variant = {"bf16": "tie", "nograph": "wrong", "noradix": "crash"}
+    variant = {"bf16": "tie", "nograph": "wrong", "noradix": "crash", "maxrun8": "wrong"}
 
     def argv(cfg, model_dir, port):
-        b = (variant.get(cfg["variants"][0], behaviour[cfg["mode"]]) if cfg["variants"] and cfg["mode"] != "native"
+        v = cfg["variants"][0] if cfg["variants"] else None
+        b = (variant.get(v, behaviour[cfg["mode"]]) if v and (cfg["mode"] != "native" or v == "maxrun8")
              else behaviour[cfg["mode"]])
         return [sys.executable, str(FAKE), str(port), b]
 
@@ -97,6 +99,32 @@ def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
     assert (out / "gsm8k" / "kimi-linear-native-ngram" / "gsm8k.json").exists()
     crashed = rows["kimi-linear-replay-L16-ngram-noradix"]
     assert not crashed["started"] and "exited with 3" in crashed["error"]
+
+
+def test_a_native_server_is_judged_against_native_and_never_fails_the_run(fake_servers):
+    """``maxrun8`` (another batching of native itself) and ``nograph`` natives pair with the first native of
+    their model and speculation, whatever order they are named in: their divergences are reported (the
+    yardstick for a mode's) and the run passes; the reference native's row stays exact."""
+    out = fake_servers
+    configs = ["qwen3-next-native-nospec-maxrun8", "qwen3-next-replay-L16-nospec", "qwen3-next-native-nospec",
+               "qwen3-next-native-nospec-nograph"]
+    assert e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs,
+                             "--prompts", "2", "--new-tokens", "10", "--concurrency", "2", "--port", "31990",
+                             "--start-timeout", "60"]) == 0
+    report = json.loads((out / "e2e_h200.json").read_text())
+    rows = {r["name"]: r for r in report["configs"]}
+    assert list(rows) == ["qwen3-next-native-nospec", "qwen3-next-native-nospec-nograph",
+                          "qwen3-next-native-nospec-maxrun8", "qwen3-next-replay-L16-nospec"]
+    assert "parity" not in rows["qwen3-next-native-nospec"]
+    assert rows["qwen3-next-native-nospec-nograph"]["parity"]["greedy_agreement"] == 1.0
+    spread = rows["qwen3-next-native-nospec-maxrun8"]["parity"]
+    assert spread["unexplained_divergences"] == 2 and spread["greedy_agreement"] < 1.0
+    table = {r["config"]: r for r in report["rows"]}
+    assert table["qwen3-next-native-nospec"]["tokens_equal_native"]
+    assert not table["qwen3-next-native-nospec-maxrun8"]["tokens_equal_native"]
+    assert table["qwen3-next-native-nospec-maxrun8"]["unexplained_divergences"] == 2
+    assert "--max-running-requests" in e2e_servers.VARIANTS["maxrun8"]
+    assert "qwen3-next-replay-L16-nospec-maxrun8" not in e2e_servers.MATRIX
 
 
 def test_parallel_layouts_are_judged_against_native_of_the_same_layout(fake_servers, monkeypatch):
