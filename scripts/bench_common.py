@@ -7,7 +7,8 @@ import statistics
 
 import torch
 
-FAMILIES = {"gdn": dict(hk=16, hv=32), "kda": dict(hk=32, hv=32)}  # Qwen3-Next-80B / Kimi-Linear-48B, TP 1
+FAMILIES = {"gdn": dict(hk=16, hv=32, layers=36), "kda": dict(hk=32, hv=32, layers=20)}
+"""Qwen3-Next-80B / Kimi-Linear-48B at TP 1: key and value heads, linear layers (``sizing.BUILTIN_SHAPES``)."""
 K = V = 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TARGET_BYTES = 1 << 30  # rotate over about 1 GiB of state so L2 (50 MB) never holds it

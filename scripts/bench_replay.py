@@ -5,6 +5,10 @@
   for KDA; state read + written), replay = its served plain decode (``ops.replay.decode.replay_decode``:
   write-through for small batches — fold + token + checkpoint written, one launch — else the output-only
   verify of one token with the fold fused, cursor advance; variants ``:through`` / ``:nothrough`` force one).
+  Output-only, the cursors settle once a step as the server settles them (after its last linear layer, every
+  layer's in one launch): here one advance after each run of ``layers`` slot groups (36 GDN, 20 KDA; fewer
+  where the case has fewer groups, so never cheaper than the server's); ``:layercursor`` advances each group
+  after its own decode instead (each layer settling its own, as before).
 * ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
   KDA ours); replay = its served chain verify + cursor advance: write-through for small batches
   (``ops.replay.write_through.serves_write_through_verify``: the accepted records folded into the checkpoint,
@@ -13,7 +17,9 @@
 * ``upstream-replayssm`` rows (decode only): upstream SGLang's ReplaySSM decode kernel from the
   sglang 0.5.23 wheel (``scripts/upstream_replayssm.py``; ``--upstream DIR``, by default the folder its
   ``extract`` fills), on the same pool with its own ring of L - 1 records and cursors spread the same
-  way. Without the extracted kernel there are no such rows, and the report says so.
+  way; its ``write_pos`` (one per request: the kernel takes it per row, the same for every layer) moves once
+  a step over the same slot groups as ours. Without the extracted kernel there are no such rows, and the
+  report says so.
 * ``fla`` rows (decode only): flash-linear-attention's fused recurrent kernels (fla-core 0.6.0,
   ``scripts/fla_kernels.py``; ``--fla DIR``), V-first states, gates in the kernel: a second
   read-and-write decode beside SGLang's, on each round's contiguous block of pool slots.
@@ -96,6 +102,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     groups = [torch.arange(r * batch, (r + 1) * batch, dtype=torch.int32, device="cuda") for r in range(rounds)]
     ring = ReplayRing.allocate(rounds * batch, history, hk, hv, K, V, is_kda, torch.bfloat16, "cuda")
     spread = torch.arange(rounds * batch, device="cuda", dtype=torch.int32) % max(1, history - d + 1)
+    # a step's cursor settle: after each run of `layers` rounds (and the last), their groups' slots at once
+    layers = min(rounds, FAMILIES[family]["layers"])
+    step_slots = {r: torch.arange((r // layers) * layers * batch, (r + 1) * batch, dtype=torch.int32, device="cuda")
+                  for r in range(rounds) if (r + 1) % layers == 0 or r == rounds - 1}
 
     def spread_cursors():  # every replay row starts from the same spread cursors (a write-through empties them)
         for word in ring.cleared_words():
@@ -117,8 +127,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         return through
 
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
-        kw = {key: value for key, value in variant.items() if key != "write_through"}  # the launch's tile
+        kw = {key: value for key, value in variant.items() if key not in ("write_through", "cursor")}  # its tile
         through = writes_through(variant)
+        per_layer = variant.get("cursor") == "layer"
 
         def step(r):
             if through and d > 1:  # fold + window from the checkpoint, then the cursor moved
@@ -129,10 +140,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                 replay_write_through(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool,
                                      groups[r], ring, groups[r], is_kda=is_kda, round_beta=round_beta,
                                      **{key: value for key, value in kw.items() if key != "prefetch"})
-            elif d == 1:  # the served plain decode (cursor settled inside)
+            elif d == 1:  # the served plain decode: output-only, the cursors settled once a step
                 replay_decode(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
                               ring, groups[r], is_kda=is_kda, round_beta=round_beta, write_through=through,
-                              **({} if through else kw))
+                              settle=through or per_layer, **({} if through else kw))
+                if not through and not per_layer and r in step_slots:
+                    advance(ring, step_slots[r], 1, window=1)
             else:
                 replay_verify(x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"], pool, groups[r],
                               ring, groups[r], is_kda=is_kda, round_beta=round_beta, **kw)
@@ -147,7 +160,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def fused_path(variant):  # what a timed step of the variant runs
         if writes_through(variant):
-            tile = {key: value for key, value in variant.items() if key != "write_through"}
+            tile = {key: value for key, value in variant.items() if key not in ("write_through", "cursor")}
             if d > 1:  # what ran: the served prefetch unless the variant sets one
                 tile.setdefault("prefetch", WRITE_THROUGH_VERIFY_PREFETCH[family])
                 return (f"replay_write_through_verify[write-through](fold, checkpoint written, cursor emptied, "
@@ -155,8 +168,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             tile.pop("prefetch", None)  # a decode has no draft tokens to prefetch: not part of what ran
             return (f"replay_decode[write-through](fold + token, checkpoint written, cursor emptied"
                     f"{', ' + str(tile) if tile else ''})")
-        return (f"replay_verify[{launch_label(variant)}](fused fold, {variant}, round_beta={round_beta})"
-                f"+advance(window={d})")
+        settle = ("" if d > 1 or variant.get("cursor") == "layer" else
+                  f" once a step (after each {layers} slot groups; the server: its {FAMILIES[family]['layers']} "
+                  "linear layers)")
+        tile = {key: value for key, value in variant.items() if key != "cursor"}
+        return (f"replay_verify[{launch_label(variant)}](fused fold, {tile}, round_beta={round_beta})"
+                f"+advance(window={d}){settle}")
 
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
         if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
@@ -188,18 +205,21 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         if upstream is not None:  # its own ring on the same pool, cursors spread as ours
             up_ring = upstream_replayssm.UpstreamRing.allocate(rounds * batch + 1, history, hk, hv, K, V, is_kda,
                                                                "cuda")
-            up_pos = [(torch.arange(batch, device="cuda") % history).to(torch.int32) for _ in range(rounds)]
+            up_all = (torch.arange(batch, device="cuda") % history).to(torch.int32).repeat(rounds)
+            up_pos = [up_all[r * batch:(r + 1) * batch] for r in range(rounds)]
             up_out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
 
             def upstream_step(r):
                 upstream_replayssm.decode(upstream, x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"],
                                           pool, groups[r], up_ring, up_pos[r], is_kda=is_kda, out=up_out)
-                upstream_replayssm.advance(up_pos[r], history)
+                if r in step_slots:  # its write_pos once a step, as ours
+                    upstream_replayssm.advance(up_all[(r // layers) * layers * batch:(r + 1) * batch], history)
 
             up_rec = hv * V * 4 + hk * K * 4 + hv * (K if is_kda else 1) * 4  # d, k (per key head), g: float32
             upstream_row = ("upstream-replayssm", "upstream", upstream_step,
                             batch * (state_bytes * (1 + 1 / history) + (history / 2) * up_rec),
-                            "fused_recurrent_linear_replayssm_decode (sglang 0.5.23) + write_pos advance",
+                            "fused_recurrent_linear_replayssm_decode (sglang 0.5.23) + write_pos advance once a "
+                            f"step (after each {layers} slot groups)",
                             state_bytes + history * up_rec + 4)
         if fla is not None:  # fla keeps no state indices: each round's states are one contiguous block
             shaped = {name: x[name].reshape(batch, 1, *x[name].shape[2:]) for name in ("q", "k", "v")}
@@ -299,6 +319,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw.setdefault("launches", 2)
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
+            elif opt in ("stepcursor", "layercursor"):
+                kw["cursor"] = opt[:-6]
             elif opt in ("vk", "kv"):
                 kw["v_major"] = opt == "vk"
             elif opt in ("prefetch", "noprefetch"):
@@ -312,7 +334,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                              "launch or after it), :through / :nothrough (written through or output-only), "
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
                              "write-through verify loading each draft token's inputs during the previous token's "
-                             "step, or not; else as served)")
+                             "step, or not; else as served), :stepcursor / :layercursor (an output-only decode's "
+                             "cursors settled once a step, as served, or after each layer's decode)")
         if "window_key_heads" in kw and kw["launches"] == 1:
             parser.error(f"--variants {value}: :keyhead / :valuehead tile the window launch of two; drop :one")
         if kw.get("write_through"):

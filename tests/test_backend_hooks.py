@@ -283,19 +283,20 @@ def prefill(backend, layer, slots: torch.Tensor, tokens: int, inputs):
 
 
 def native_and_replay_decoders(monkeypatch, family: str, seed: int):
-    """``(pools, layer, backends, slots, gen)``: native and replay pools (no speculation, L = 8) seeded
-    with the same state, one layer, their backends, and three request slots."""
+    """``(pools, layers, backends, slots, gen)``: native and replay pools (no speculation, L = 8) seeded
+    with the same state, their linear layers (a step decodes through each in turn), their backends, and
+    three request slots."""
     gen = torch.Generator().manual_seed(seed)
     pools = {m: make_pool(m, 1, monkeypatch, family, history=8) for m in ("native", "replay")}
     seed_pools(list(pools.values()), gen)
-    layer = make_layer(0, gen, family)
+    layers = [make_layer(i, gen, family) for i in range(LAYERS)]
     backends = {m: make_backend(p, family) for m, p in pools.items()}
-    return pools, layer, backends, torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV), gen
+    return pools, layers, backends, torch.tensor([2, 5, 1], dtype=torch.int32, device=DEV), gen
 
 
 def choose_decode_path(monkeypatch, path: str) -> None:
     """Serve replay's plain decode ``"output-only"`` or ``"write-through"`` at every batch."""
-    monkeypatch.setattr(replay_decode_module, "serves_write_through", lambda *args: path == "write-through")
+    monkeypatch.setattr(backend_hooks, "serves_write_through", lambda *args: path == "write-through")
 
 
 @pytest.mark.parametrize("path", ["output-only", "write-through"])
@@ -307,39 +308,49 @@ def test_replay_decode_and_prefill_through_the_backend(family, path, monkeypatch
 
 def _replay_decode_and_prefill(family, path, monkeypatch):
     """Plain decode in replay (output-only: one record per token, folds every L tokens; write-through: the
-    checkpoint written each token) against SGLang's own decode, then (GDN) a prefill chunk on top of the
-    history: replay folds first and continues with SGLang's chunked kernel. Outputs agree to float32
-    rounding, the materialised state within 1e-5, and a prefill leaves no history behind."""
-    pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=3)
+    checkpoint written each token) against SGLang's own decode, each step through every linear layer in
+    turn, then (GDN) a prefill chunk on top of the history: replay folds first and continues with SGLang's
+    chunked kernel. Output-only, a layer's cursor stays where the step found it until the last layer's
+    decode settles every layer's at once. Outputs agree to float32 rounding, the materialised states within
+    1e-5, and a prefill leaves no history behind."""
+    pools, layers, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=3)
     state_dtype = pools["replay"].mamba_pool.mamba_cache.temporal.dtype
     assert replay_decode_module.serves_write_through(3, family == "kda", 8, state_dtype), "as served"
     choose_decode_path(monkeypatch, path)
-    for step in range(11):  # output-only folds at the 9th token (L = 8)
-        x = verify_inputs(slots.shape[0], 1, gen, family)
-        out = {m: decode(backends[m], layer, slots, x, family) for m in pools}
-        torch.testing.assert_close(out["replay"].float(), out["native"].float(), rtol=2e-2, atol=2e-2)
-    rings = pools["replay"].mamba_pool.layer_ring(0)
-    counts, phase = ([3, 3, 3], 1) if path == "output-only" else ([0, 0, 0], 0)
-    assert rings.count[slots.long()].tolist() == counts and (rings.phase[slots.long()] == phase).all()
     native, replay = pools["native"].mamba_pool, pools["replay"].mamba_pool
-    materialised = torch.zeros_like(replay.mamba_cache.temporal[0])
-    replay_fold(replay.mamba_cache.temporal[0], slots, rings, slots, slots >= 0, is_kda=family == "kda",
-                dst=materialised, dst_indices=slots)
-    # the fold re-runs the decode step with SGLang's gate and beta (GDN: beta rounded as its packed kernel
-    # does; without that rounding this is ~2e-3 off); the packed kernel's own op order differs slightly
-    got, want = materialised[slots.long()], native.mamba_cache.temporal[0, slots.long()]
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+    cursors = replay.replay_rings.count
+    for step in range(11):  # output-only folds at the 9th token (L = 8)
+        before = cursors.clone()
+        for layer in layers:
+            x = verify_inputs(slots.shape[0], 1, gen, family)
+            out = {m: decode(backends[m], layer, slots, x, family) for m in pools}
+            torch.testing.assert_close(out["replay"].float(), out["native"].float(), rtol=2e-2, atol=2e-2)
+            if layer is not layers[-1] and path == "output-only":
+                assert torch.equal(cursors, before), "settled once a step, after the last layer"
+    counts, phase = ([3, 3, 3], 1) if path == "output-only" else ([0, 0, 0], 0)
+    for i in range(LAYERS):
+        ring = replay.layer_ring(i)
+        assert ring.count[slots.long()].tolist() == counts and (ring.phase[slots.long()] == phase).all(), i
+        materialised = torch.zeros_like(replay.mamba_cache.temporal[i])
+        replay_fold(replay.mamba_cache.temporal[i], slots, ring, slots, slots >= 0, is_kda=family == "kda",
+                    dst=materialised, dst_indices=slots)
+        # the fold re-runs the decode step with SGLang's gate and beta (GDN: beta rounded as its packed kernel
+        # does; without that rounding this is ~2e-3 off); the packed kernel's own op order differs slightly
+        got, want = materialised[slots.long()], native.mamba_cache.temporal[i, slots.long()]
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6, i
     if family == "gdn":
-        x = verify_inputs(slots.shape[0], 5, gen, family)
-        out = {m: prefill(backends[m], layer, slots, 5, x) for m in pools}
-        torch.testing.assert_close(out["replay"].float(), out["native"].float(), rtol=2e-2, atol=2e-2)
-        assert (rings.count[slots.long()] == 0).all(), "a prefill leaves no history behind"
+        for layer in layers:
+            x = verify_inputs(slots.shape[0], 5, gen, family)
+            out = {m: prefill(backends[m], layer, slots, 5, x) for m in pools}
+            torch.testing.assert_close(out["replay"].float(), out["native"].float(), rtol=2e-2, atol=2e-2)
+        assert (cursors[:, slots.long()] == 0).all(), "a prefill leaves no history behind"
     canonical = replay.mamba_cache.temporal.clone()
     replay.materialise_in_place(slots)
     assert torch.equal(replay.mamba_cache.temporal, canonical) or family == "kda"
-    for s in slots.long().tolist():
-        err = (replay.mamba_cache.temporal[0, s] - native.mamba_cache.temporal[0, s]).abs().max()
-        assert err <= 1e-5 * native.mamba_cache.temporal[0, s].abs().max(), (s, float(err))
+    for i in range(LAYERS):
+        for s in slots.long().tolist():
+            err = (replay.mamba_cache.temporal[i, s] - native.mamba_cache.temporal[i, s]).abs().max()
+            assert err <= 1e-5 * native.mamba_cache.temporal[i, s].abs().max(), (i, s, float(err))
     untouched = [s for s in range(replay.size + 1) if s not in slots.tolist()]
     assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
 
@@ -353,21 +364,23 @@ def test_replay_decode_tracking_for_the_radix_cache(path, monkeypatch, cuda_scra
     family = "gdn"
     choose_decode_path(monkeypatch, path)
     with sglang_fla_on_cpu():
-        pools, layer, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=9)
+        pools, layers, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=9)
         untracked = torch.full((3,), -1, dtype=torch.int32, device=DEV)
         tracked = torch.tensor([6, -1, 7], dtype=torch.int32, device=DEV)  # two requests tracked, one not
-        rings = pools["replay"].mamba_pool.layer_ring(0)
-        rings.count[6] = 3  # a track slot reused from a request that left a history behind
+        cursors = pools["replay"].mamba_pool.replay_rings.count
+        cursors[:, 6] = 3  # a track slot reused from a request that left a history behind
         for step in range(5):
-            x = verify_inputs(slots.shape[0], 1, gen, family)
-            for m in pools:
-                decode(backends[m], layer, slots, x, family, tracked if step == 4 else untracked)
+            for layer in layers:
+                x = verify_inputs(slots.shape[0], 1, gen, family)
+                for m in pools:
+                    decode(backends[m], layer, slots, x, family, tracked if step == 4 else untracked)
         native, replay = pools["native"].mamba_pool, pools["replay"].mamba_pool
-        assert torch.equal(replay.mamba_cache.conv[0][:, [6, 7]], native.mamba_cache.conv[0][:, [6, 7]])
-        got, want = replay.mamba_cache.temporal[0, [6, 7]], native.mamba_cache.temporal[0, [6, 7]]
-        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+        for i in range(LAYERS):  # SGLang's conv copy, then the materialised state; every layer's cursor settled
+            assert torch.equal(replay.mamba_cache.conv[0][i, [6, 7]], native.mamba_cache.conv[0][i, [6, 7]])
+            got, want = replay.mamba_cache.temporal[i, [6, 7]], native.mamba_cache.temporal[i, [6, 7]]
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6, i
         pending = 5 if path == "output-only" else 0
-        assert rings.count[[6, 7]].tolist() == [0, 0] and rings.count[slots.long()].tolist() == [pending] * 3
+        assert cursors[:, [6, 7]].eq(0).all() and cursors[:, slots.long()].eq(pending).all()
         untouched = [s for s in range(replay.size + 1) if s not in (1, 2, 5, 6, 7)]
         assert torch.equal(replay.mamba_cache.temporal[:, untouched], native.mamba_cache.temporal[:, untouched])
 

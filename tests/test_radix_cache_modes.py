@@ -58,7 +58,6 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
-from sglang_ssm_modes.ops.replay import decode as replay_decode_module
 from sglang_ssm_modes.ops.replay import replay_fold
 from sglang_ssm_modes.pool import ModeMambaPool
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
@@ -139,7 +138,7 @@ class World:
         cfg = SSMModeConfig(mode=mode, replay_history=HISTORY)
         # replay decodes output-only here, whatever the batch: the path that keeps a history beside the
         # checkpoint, which is what the radix cache must see through (a write-through leaves none)
-        monkeypatch.setattr(replay_decode_module, "serves_write_through", lambda *args: False)
+        monkeypatch.setattr(backend_hooks, "serves_write_through", lambda *args: False)
         monkeypatch.setattr(HybridReqToTokenPool, "_init_mamba_pool",
                             lambda pool, **kw: init_mode_mamba_pool(_SGLANG_INIT_MAMBA_POOL, pool, cfg, **kw))
         self.rtp = HybridReqToTokenPool(

@@ -113,6 +113,10 @@ def test_bench_replay_variants_name_the_launch_options():
     assert bench_replay.parse_variants(p, ["served:keyhead", "32x1:valuehead:two"]) == [
         ("served:keyhead", dict(window_key_heads=True, launches=2)),
         ("32x1:valuehead:two", dict(block_v=32, num_warps=1, window_key_heads=False, launches=2))]
+    assert bench_replay.parse_variants(p, ["served:stepcursor", "served:layercursor"]) == [
+        ("served:stepcursor", dict(cursor="step")), ("served:layercursor", dict(cursor="layer"))]
+    with pytest.raises(SystemExit):  # a write-through leaves no cursor to settle
+        bench_replay.parse_variants(p, ["served:through:layercursor"])
 
 
 def test_bench_replay_refuses_a_key_head_window_it_cannot_run():

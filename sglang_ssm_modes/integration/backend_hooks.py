@@ -31,8 +31,9 @@ import torch
 from ..acceptance import StateAcceptance
 from ..ops.compact import FAST_VERIFY_TILE, compact_verify
 from ..ops.native import native_verify
-from ..ops.replay import (clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify,
+from ..ops.replay import (advance, clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify,
                           replay_write_through_verify)
+from ..ops.replay.decode import serves_write_through
 from ..ops.replay.write_through import serves_write_through_verify
 from ..pool import ModeMambaPool
 
@@ -120,10 +121,16 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     """Plain decode in replay mode: SGLang's conv update, then :func:`~..ops.replay.replay_decode` — the
     output of one token from checkpoint + history, its record appended and the cursor moved by one, or (small
     batches) the token written through to the checkpoint as SGLang's decode writes it; extra_buffer tracking
-    materialises the tracked requests' states into their track slots."""
+    materialises the tracked requests' states into their track slots.
+
+    Output-only, the cursors move once a step: after the last linear layer, every layer's in one launch on the
+    pool's stacked rings (no layer reads another's ring, and nothing reads a layer's between its decode and the
+    step's end) — except under extra_buffer tracking, whose materialisation right after the layer's decode
+    reads the settled cursor, so each layer settles its own there."""
     md = backend.forward_metadata
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    ring = pool.layer_ring(backend.req_to_token_pool.mamba_map[layer.layer_id])
+    local = backend.req_to_token_pool.mamba_map[layer.layer_id]
+    ring = pool.layer_ring(local)
     conv_states = cache.conv[0].transpose(-1, -2) if kda else cache.conv[0]
     indices = md.mamba_cache_indices
     x = _conv_update(backend, layer, mixed_qkv, conv_states, kda, conv_state_indices=indices)
@@ -133,10 +140,15 @@ def _replay_decode(backend, pool: ModeMambaPool, layer, forward_batch, mixed_qkv
     ssm = cache.temporal
     # the decode SGLang would run: its GDN packed kernel rounds beta to b's dtype (the others do not)
     packed = getattr(backend.kernel_dispatcher, "supports_packed_decode", False)
+    through = serves_write_through(indices.shape[0], kda, ring.history, ssm.dtype)
+    tracking = forward_batch.mamba_track_mask is not None
     o = replay_decode(layer.A_log, a, layer.dt_bias, q, k, v, b, ssm, indices, ring, indices, is_kda=kda,
-                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda)  # cursor settled
-    if forward_batch.mamba_track_mask is not None:
+                      scale=layer.head_k_dim ** -0.5, round_beta=packed and not kda, write_through=through,
+                      settle=tracking)
+    if tracking:
         _track_decode(backend, cache, ring, indices, forward_batch, kda)
+    elif not through and local == pool.replay_rings.layers_and_slots[0] - 1:  # the step's last linear layer
+        advance(pool.replay_rings, indices, 1, window=1)
     return o
 
 

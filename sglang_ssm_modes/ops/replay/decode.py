@@ -65,12 +65,14 @@ def replay_decode(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
                   scale: float | None = None, round_beta: bool = False, write_through: bool | None = None,
-                  **verify_options) -> torch.Tensor:
-    """Plain decode of one token per request, cursor settled: :func:`replay_write_through` where
-    ``write_through`` (default :func:`serves_write_through` for this batch), else :func:`~.verify.replay_verify`
+                  settle: bool = True, **verify_options) -> torch.Tensor:
+    """Plain decode of one token per request: :func:`replay_write_through` where ``write_through`` (default
+    :func:`serves_write_through` for this batch; the cursor left empty), else :func:`~.verify.replay_verify`
     (``verify_options``: its keywords; the fold fused unless ``fused_fold=False``, when the caller folds first),
-    then ``advance(ring, record_indices, 1, window=1)`` (``window=0`` without the fused fold). Returns ``o``
-    ``[1, N, HV, V]``."""
+    then, with ``settle``, ``advance(ring, record_indices, 1, window=1)`` (``window=0`` without the fused fold).
+    ``settle=False`` leaves an output-only step's cursor to the caller: that same advance, which on a pool's
+    stacked rings settles every layer in one launch (a server's step: once, after its last linear layer).
+    Returns ``o`` ``[1, N, HV, V]``."""
     n = state_indices.shape[0]
     if write_through is None:
         write_through = serves_write_through(n, is_kda, ring.history, checkpoints.dtype)
@@ -82,5 +84,6 @@ def replay_decode(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                                     **common)
     o = replay_verify(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, **common,
                       **verify_options)
-    advance(ring, record_indices, 1, window=1 if verify_options.get("fused_fold", True) else 0)
+    if settle:
+        advance(ring, record_indices, 1, window=1 if verify_options.get("fused_fold", True) else 0)
     return o
