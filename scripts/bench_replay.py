@@ -211,7 +211,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
             def upstream_step(r):
                 upstream_replayssm.decode(upstream, x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"],
-                                          pool, groups[r], up_ring, up_pos[r], is_kda=is_kda, out=up_out)
+                                          pool, groups[r], up_ring, up_pos[r], is_kda=is_kda, out=up_out,
+                                          mixed=mixed)
                 if r in step_slots:  # its write_pos once a step, as ours
                     upstream_replayssm.advance(up_all[(r // layers) * layers * batch:(r + 1) * batch], history)
 

@@ -88,16 +88,19 @@ class UpstreamRing:
 
 
 def decode(module, A_log, a, dt_bias, q, k, v, b, state, state_indices, ring: UpstreamRing, write_pos, *,
-           is_kda: bool, out=None):
+           is_kda: bool, out=None, mixed=None):
     """One upstream decode step of ``N`` requests from our benchmark's inputs (``q, k`` ``[1, N, H, K]``,
     ``v`` ``[1, N, HV, V]``, ``a`` ``[N, HV(*K)]``, ``b`` ``[1, N, HV]``; ``dt_bias`` ``[HV(*K)]``), the
-    state pool ``[slots, HV, V, K]`` as checkpoints. Returns ``o`` ``[N, 1, HV, V]``. The cursor is not
-    advanced (:func:`advance`)."""
+    state pool ``[slots, HV, V, K]`` as checkpoints. ``mixed``: q, k and v side by side ``[N, 2 H K + HV V]``,
+    as a server's conv output hands them (the benchmark builds it once, as for SGLang's decode; without it they
+    are concatenated here, a copy each step). Returns ``o`` ``[N, 1, HV, V]``. The cursor is not advanced
+    (:func:`advance`)."""
     import torch
 
     n, hk, kdim = q.shape[1], q.shape[2], q.shape[3]
     hv, vdim = v.shape[2], v.shape[3]
-    mixed = torch.cat([q.reshape(n, hk * kdim), k.reshape(n, hk * kdim), v.reshape(n, hv * vdim)], dim=-1)
+    if mixed is None:
+        mixed = torch.cat([q.reshape(n, hk * kdim), k.reshape(n, hk * kdim), v.reshape(n, hv * vdim)], dim=-1)
     gate = a.reshape(n, hv, kdim).contiguous() if is_kda else a.reshape(n, hv)
     bias = dt_bias.reshape(hv, kdim).contiguous() if is_kda else dt_bias.reshape(hv)
     if out is None:

@@ -47,8 +47,9 @@ def test_extract_refuses_a_missing_wheel(tmp_path, capsys):
                     reason=f"the upstream kernel is not extracted at {UPSTREAM}")
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_upstream_decode_tracks_the_float64_reference(family, hk, hv):
-    """Upstream's decode, driven as the benchmark drives it (cursor advanced after each step, a flush
-    every L steps, a padding row), against the native recurrence in float64, outputs every step. Its
+    """Upstream's decode, driven as the benchmark drives it (q, k, v handed side by side on odd steps, cursor
+    advanced after each step, a flush every L steps, a padding row), against the native recurrence in float64,
+    outputs every step. Its
     reconstruction ``tl.dot`` runs in the output dtype: bfloat16 on the GPU, as served (a bfloat16-sized
     bound); float32 under the CPU interpreter, whose bfloat16 ``tl.dot`` returns garbage. This checks that
     the benchmark calls it right, not that it is exact."""
@@ -70,10 +71,11 @@ def test_upstream_decode_tracks_the_float64_reference(family, hk, hv):
     for t in range(steps):
         step = x.tokens(t, t + 1)  # one token of every request
         a = step.a.reshape(n, -1).to(DEVICE)
-        o = upstream_replayssm.decode(module, params.A_log.to(DEVICE), a, params.dt_bias.to(DEVICE),
-                                      step.q.transpose(0, 1).to(DEVICE), step.k.transpose(0, 1).to(DEVICE),
-                                      step.v.transpose(0, 1).to(DEVICE), step.b.reshape(1, n, hv).to(DEVICE), pool,
-                                      slots.to(DEVICE), ring, write_pos, is_kda=is_kda, out=out)
+        q, k, v = (t_.transpose(0, 1).to(DEVICE) for t_ in (step.q, step.k, step.v))
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1) if t % 2 else None  # as served
+        o = upstream_replayssm.decode(module, params.A_log.to(DEVICE), a, params.dt_bias.to(DEVICE), q, k, v,
+                                      step.b.reshape(1, n, hv).to(DEVICE), pool, slots.to(DEVICE), ring, write_pos,
+                                      is_kda=is_kda, out=out, mixed=mixed)
         upstream_replayssm.advance(write_pos, L)
         torch.testing.assert_close(o[real, 0].double().cpu(), ref_o[real, t], rtol=tol, atol=tol)
         assert (o[~real.to(o.device)] == 0).all()
