@@ -322,9 +322,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["write_through"] = opt == "through"
             elif opt in ("stepcursor", "layercursor"):
                 kw["cursor"] = opt[:-6]
-            elif opt in ("outkeys", "windowkeys"):  # two launches: where GDN's decayed key and query are formed
-                kw["keys_in_output"] = opt == "outkeys"
-                kw.setdefault("launches", 2)
             elif opt in ("vk", "kv"):
                 kw["v_major"] = opt == "vk"
             elif opt in ("prefetch", "noprefetch"):
@@ -339,11 +336,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
                              "write-through verify loading each draft token's inputs during the previous token's "
                              "step, or not; else as served), :stepcursor / :layercursor (an output-only decode's "
-                             "cursors settled once a step, as served, or after each layer's decode), :outkeys / "
-                             ":windowkeys (GDN, two launches: the decayed key and query formed in the output launch "
-                             "from the raw inputs, or written by the window launch)")
-        if "keys_in_output" in kw and kw["launches"] == 1:
-            parser.error(f"--variants {value}: :outkeys / :windowkeys split the work of two launches; drop :one")
+                             "cursors settled once a step, as served, or after each layer's decode)")
         if "window_key_heads" in kw and kw["launches"] == 1:
             parser.error(f"--variants {value}: :keyhead / :valuehead tile the window launch of two; drop :one")
         if kw.get("write_through"):
@@ -444,7 +437,7 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
-                           "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor][:outkeys|:windowkeys]",
+                           "[:pdl|:nopdl][:through|:nothrough]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
@@ -458,11 +451,7 @@ def main(argv=None) -> int:
                         "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
                         "or verify written through to the checkpoint (served:through) or output-only "
                         "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
-                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch); an "
-                        "output-only decode's cursors settled once a step (:stepcursor, served) or per layer "
-                        "(:layercursor); GDN's decayed key and query formed in the output launch (:outkeys) or "
-                        "written by the window launch (:windowkeys; default ops.replay.verify.SERVED_KEYS_IN_OUTPUT). "
-                        "The first "
+                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch). The first "
                         "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
@@ -489,9 +478,6 @@ def main(argv=None) -> int:
     if "kda" in args.families and any(kw.get("window_key_heads") for _, kw in variants):
         p.error("--variants ...:keyhead: one window program per key head is GDN's (KDA's gates are per channel "
                 "and value head); pass --families gdn")
-    if "kda" in args.families and any(kw.get("keys_in_output") for _, kw in variants):
-        p.error("--variants ...:outkeys: the output launch forms GDN's decayed key and query (KDA's decays are per "
-                "channel); pass --families gdn")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm

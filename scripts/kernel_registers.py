@@ -70,16 +70,15 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_KEYS_IN_OUTPUT, SERVED_PDL,
-                                                    replay_output_kernel, replay_step_kernel, replay_window_kernel,
-                                                    served_window_key_heads, served_window_warps)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_PDL, replay_output_kernel,
+                                                    replay_step_kernel, replay_window_kernel, served_window_key_heads,
+                                                    served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
     heads = FAMILIES[family]
     shared = dict(H=heads["hk"], HV=heads["hv"], K=K, L=history, TP=tp,
                   W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
-    e_only = SERVED_KEYS_IN_OUTPUT and not is_kda
     ring = dict(r_u="fp32", r_kn="fp32", r_g="fp32", r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32",
                 r_phase="i32", r_faults="i32", rec_indices="i32", h0_indices="i32", proj="fp32")
     window = _ptxas_resources(
@@ -87,15 +86,14 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
              KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
-             PDL=SERVED_PDL, E_ONLY=e_only),
+             PDL=SERVED_PDL),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
-    pointers = dict(ring, q="bf16", k="bf16", v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
+    pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
     tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
                 NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
-    out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, dict(tile, E_ONLY=e_only),
-                                                        num_warps, num_stages)}
+    out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:
         step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)
         out["one launch"] = _ptxas_resources(

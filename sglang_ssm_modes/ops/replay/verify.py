@@ -102,7 +102,7 @@ def replay_window_kernel(
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr, E_ONLY: tl.constexpr,
+    FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
     ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
@@ -111,8 +111,7 @@ def replay_window_kernel(
     the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
     anything written here). ``KEY_HEADS`` (GDN): one program per request and key head instead
     (:func:`window_key_head_program`; grid ``(N * H + FOLD_FIRST,)``, ``GP`` the next power of two of
-    ``HV // H``). ``E_ONLY`` (GDN): a ``proj`` row's first K entries hold ``e^{G_t}`` alone (at 0), the output
-    launch normalising the token's key and query itself (:func:`replay_output_kernel`)."""
+    ``HV // H``)."""
     i_nh = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -123,19 +122,18 @@ def replay_window_kernel(
             window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw,
                                     r_count, r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T,
                                     stride_a, stride_q, stride_k, stride_b, H, HV, K, L, TP, W, GP, BETA_ACTIVATED,
-                                    ROUND_BETA, FUSED_FOLD, E_ONLY)
+                                    ROUND_BETA, FUSED_FOLD)
     elif FOLD_FIRST:
         if i_nh == N * HV:
             fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
         else:
             window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                            r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
-                           E_ONLY)
+                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
     else:
         window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                        r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD, E_ONLY)
+                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
 
 
 @triton.jit
@@ -143,15 +141,14 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
                    rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_b,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
                    W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-                   FUSED_FOLD: tl.constexpr, E_ONLY: tl.constexpr):
+                   FUSED_FOLD: tl.constexpr):
     """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
     and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
-    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``. ``E_ONLY`` (GDN): the
-    first K entries of a row hold ``e^{G_t}`` alone, at 0, instead of the two decayed K-vectors."""
+    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = i_n * T
@@ -195,7 +192,7 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
             t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
             r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
             stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-            ROUND_BETA, E_ONLY)
+            ROUND_BETA)
 
 
 @triton.jit
@@ -203,7 +200,7 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
                             r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
                             stride_k, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
                             TP: tl.constexpr, W: tl.constexpr, GP: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
-                            ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr, E_ONLY: tl.constexpr):
+                            ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr):
     """GDN window program ``i_nh`` for request ``i_nh // H`` and key head ``i_nh % H``: what
     :func:`window_program` writes for each of the key head's ``G = HV // H`` value heads (``proj`` rows,
     g and beta records; normalised and raw k once), with the history's keys read once. GDN's gate is one
@@ -252,11 +249,8 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
         b_wd = tl.exp(b_Gw[:, None] - b_Gws)  # [GP, TP] decays of the earlier window tokens
         p_rows = proj + ((bos + t) * HV + i_hvs) * W  # [GP]
         m_row = m_g & live
-        if E_ONLY:  # the output launch normalises k and q itself
-            tl.store(p_rows, b_e, mask=m_row)
-        else:
-            tl.store(p_rows[:, None] + o_k[None, :], b_e[:, None] * b_k[None, :], mask=m_row[:, None])
-            tl.store(p_rows[:, None] + K + o_k[None, :], b_e[:, None] * b_q[None, :], mask=m_row[:, None])
+        tl.store(p_rows[:, None] + o_k[None, :], b_e[:, None] * b_k[None, :], mask=m_row[:, None])
+        tl.store(p_rows[:, None] + K + o_k[None, :], b_e[:, None] * b_q[None, :], mask=m_row[:, None])
         b_hk = tl.sum(b_kh * b_k[None, :], 1)  # [L] history keys . k_t, shared by the value heads
         b_hq = tl.sum(b_kh * b_q[None, :], 1)
         tl.store(p_rows[:, None] + 2 * K + o_l[None, :], b_dec * b_ew[:, None] * b_hk[None, :], mask=m_row[:, None])
@@ -286,7 +280,7 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
                  r_beta, r_kraw, bos, i_h, i_hv, pos0, valid, writes_k, softplus_beta, softplus_threshold, scale,
                  stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H: tl.constexpr, HV: tl.constexpr,
                  K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr,
-                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, E_ONLY: tl.constexpr):
+                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
     """Token t of the window launch (``live``: t < T): its gate, normalised key and query, projection row
     and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays)``."""
     mask_k = (o_k < K) & live
@@ -303,11 +297,8 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     b_ew = tl.exp(b_Gw)
     b_kd = b_kw * tl.exp(b_Gw[None, :] - b_Gws)
     p_row = proj + ((bos + t) * HV + i_hv) * W
-    if E_ONLY:  # GDN: e^{G_t} is one value (the output launch normalises k and q itself)
-        tl.store(p_row + o_k, b_e, mask=mask_k & (o_k == 0))
-    else:
-        tl.store(p_row + o_k, b_e * b_k, mask=mask_k)
-        tl.store(p_row + K + o_k, b_e * b_q, mask=mask_k)
+    tl.store(p_row + o_k, b_e * b_k, mask=mask_k)
+    tl.store(p_row + K + o_k, b_e * b_q, mask=mask_k)
     tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1), mask=live)
     tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1), mask=live)
     tl.store(p_row + 2 * K + 2 * L + o_t, tl.where(o_t < t, tl.sum(b_kd * b_k[None, :], 1), 0), mask=live)
@@ -356,12 +347,11 @@ def fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L: tl.cons
 
 @triton.jit(do_not_specialize=["T"])
 def replay_output_kernel(
-    q, k, v, o, proj, h0_source, h0_indices,
-    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, scale, T, stride_q, stride_k,
-    stride_v,
+    v, o, proj, h0_source, h0_indices,
+    r_u, r_g, r_beta, r_kraw, r_vraw, r_count, r_phase, r_faults, rec_indices, order, T, stride_v,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
-    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, PDL: tl.constexpr, E_ONLY: tl.constexpr,
+    FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -377,9 +367,6 @@ def replay_output_kernel(
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
-    ``E_ONLY`` (GDN, the window launch's ``E_ONLY``): ``e^{G_t} k_t`` and ``e^{G_t} q_t`` formed here from the
-    token's raw ``q, k`` (``[1, N*T, H, K]``, normalised as the window launch normalises them; ``q`` times
-    ``scale``) and the scalar ``e^{G_t}`` the window launch handed over, rather than read back as K-vectors.
 
     ``PDL`` (launched as a programmatic dependent of the window launch): the program starts while the window
     launch still runs and waits for it (``griddepcontrol.wait``) before the first read of anything that launch
@@ -403,22 +390,6 @@ def replay_output_kernel(
     tok = tl.where(o_p < TP, o_p, o_p - TP)
     m_p = (o_p < 2 * TP) & (tok < T)
     p_prow = proj + ((bos + tok)[:, None] * HV + i_hv) * W + tl.where(o_p < TP, 0, K)[:, None]
-    if E_ONLY:  # per token: the norms of its raw key and query (l2normalize's) and e^{G_t}
-        o_kf = tl.arange(0, K)
-        m_t = o_t < T
-        b_x = tl.load(k + (bos + o_t)[:, None] * stride_k + i_h * K + o_kf[None, :], mask=m_t[:, None], other=0)
-        b_nk = tl.sqrt(tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), 1) + 1e-6)
-        b_x = tl.load(q + (bos + o_t)[:, None] * stride_q + i_h * K + o_kf[None, :], mask=m_t[:, None], other=0)
-        b_nq = tl.sqrt(tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), 1) + 1e-6)
-        b_et = tl.load(proj + ((bos + o_t) * HV + i_hv) * W, mask=m_t, other=0)
-        if DOT:  # the same by row of the projection tile (rows < TP keys, then queries times scale)
-            p_raw = tl.where((o_p < TP)[:, None], k + (bos + tok)[:, None] * stride_k,
-                             q + (bos + tok)[:, None] * stride_q) + i_h * K
-            at_tok = tok[:, None] == o_t[None, :]
-            b_pn = tl.sum(tl.where(at_tok, tl.where((o_p < TP)[:, None], b_nk[None, :], b_nq[None, :]), 0), 1)
-            b_pn = tl.where(m_p, b_pn, 1.0)  # padding rows: 0 / 1, no NaN in the tile
-            b_pe = tl.sum(tl.where(at_tok, b_et[None, :], 0), 1)
-            b_ps = tl.where(o_p < TP, 1.0, scale)
     b_sp = tl.zeros([BV, NP], dtype=tl.float32)
     b_sk = tl.zeros([TP, BV], dtype=tl.float32)
     b_sq = tl.zeros([TP, BV], dtype=tl.float32)
@@ -427,24 +398,13 @@ def replay_output_kernel(
         o_k = kk * BK + o_bk
         b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
         if DOT:  # [BV, BK] x [BK, NP] on tensor cores
-            if E_ONLY:
-                b_p = tl.load(p_raw + o_k[None, :], mask=m_p[:, None], other=0).to(tl.float32)
-                b_p = b_pe[:, None] * ((b_p / b_pn[:, None]) * b_ps[:, None])
-            else:
-                b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
+            b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
             b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
         else:
             for t in tl.static_range(TP):
-                if E_ONLY:
-                    e_t = tl.sum(tl.where(o_t == t, b_et, 0))
-                    b_ke = tl.load(k + (bos + t) * stride_k + i_h * K + o_k, mask=t < T, other=0).to(tl.float32)
-                    b_ke = e_t * (b_ke / tl.sum(tl.where(o_t == t, b_nk, 0)))
-                    b_qe = tl.load(q + (bos + t) * stride_q + i_h * K + o_k, mask=t < T, other=0).to(tl.float32)
-                    b_qe = e_t * ((b_qe / tl.sum(tl.where(o_t == t, b_nq, 0))) * scale)
-                else:
-                    p_row = proj + ((bos + t) * HV + i_hv) * W
-                    b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
-                    b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
+                p_row = proj + ((bos + t) * HV + i_hv) * W
+                b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
+                b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
                 b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * b_ke[:, None], 0)[None, :], b_sk)
                 b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * b_qe[:, None], 0)[None, :], b_sq)
     b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
@@ -753,12 +713,6 @@ side by side, D = 4, L = 16, float32) it changed nothing â€” GDN 136.8 / 136.7 Â
 same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``)."""
 
 
-SERVED_KEYS_IN_OUTPUT = False
-"""Whether a served GDN verify of two launches forms the decayed key and query in its output launch
-(``replay_verify(keys_in_output=True)``): the window launch then writes one float per token and value head
-where it wrote 2K (at batch 128, one token, Qwen3-Next heads: 33 KB instead of 4.2 MB written and read back)."""
-
-
 def pdl_available(device: torch.device | str) -> bool:
     """Whether launches on ``device`` can overlap by programmatic dependent launch (CUDA, compute capability
     9.0 or newer, not the Triton interpreter)."""
@@ -790,7 +744,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  window_key_heads: bool | None = None, keys_in_output: bool | None = None) -> torch.Tensor:
+                  window_key_heads: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -815,10 +769,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
     (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value heads)
-    or one per value head (default: :func:`served_window_key_heads`). ``keys_in_output`` (GDN, two launches): the
-    output launch forms ``e^{G_t} k_t`` and ``e^{G_t} q_t`` from the raw inputs and the window launch hands over
-    ``e^{G_t}`` alone, not both K-vectors per value head (default :data:`SERVED_KEYS_IN_OUTPUT`). Checkpoints and
-    every record but ``u``
+    or one per value head (default: :func:`served_window_key_heads`). Checkpoints and every record but ``u``
     are the same bits for every choice;
     outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
@@ -868,10 +819,6 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
-    keys_in_output = SERVED_KEYS_IN_OUTPUT and not is_kda if keys_in_output is None else keys_in_output
-    if keys_in_output and (is_kda or launches != 2):
-        raise ValueError("keys_in_output: the window launch hands the output launch one decay per value head only "
-                         "for GDN's two launches (KDA's decays are per channel); pass keys_in_output=False")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
@@ -895,13 +842,13 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
         FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, KEY_HEADS=window_key_heads,
-        GP=triton.next_power_of_2(hv // hk), PDL=pdl, E_ONLY=keys_in_output, num_warps=window_warps, num_stages=1)
+        GP=triton.next_power_of_2(hv // hk), PDL=pdl, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
-        q, k, v, o, proj, checkpoints, state_indices,
+        v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
-        scale, T, q.stride()[1], k.stride()[1], v.stride()[1],
+        T, v.stride()[1],
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
-        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, PDL=pdl, E_ONLY=keys_in_output,
+        IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, PDL=pdl,
         num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return o
