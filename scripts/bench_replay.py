@@ -27,9 +27,10 @@
 Cursors start spread over the ring (request i has ``i mod L`` records), so folds are amortised as in
 serving; every timed step includes the fold launch and its share of folding work. Timing: CUDA-graph
 replay of R steps, each on its own group of slots, median over repeats, divided by R. ``path`` says
-which kernels ran. Bytes: native moves 2 states per decode step; replay reads the checkpoint, its
-history records and writes one record per token, plus the amortised fold (read records + read and
-write the state once per L tokens).
+which kernels ran. Bytes (what each must move, :func:`record_bytes`): native moves 2 states per decode step;
+replay reads the checkpoint and the hot words of its history records (u, normalised k, g), writes one whole
+record per token, plus the amortised fold (the raw records read, the state read and written once per
+L - D + 1 steps); upstream reads the checkpoint and its ring's records, writes a record (a flush: the state).
 
 Usage (GPU): python3 scripts/bench_replay.py --out DIR [--batches ...] [--histories 16 32 64] [--draft-tokens 1 2 4]
 Writes DIR/replay_h200.json, .md and .png.
@@ -62,11 +63,15 @@ KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": 
            "fused_recurrent_kda_fwd": "fla"}
 
 
-def record_bytes(family: str, act_bytes: int = 2) -> int:
-    """One token's replay record per request and layer: u, normalised k, g, beta, raw k, raw v."""
+def record_bytes(family: str, act_bytes: int = 2) -> dict[str, int]:
+    """One token's replay record per request and layer, in bytes: ``"all"`` (written: u, normalised k, g, beta,
+    raw k, raw v), ``"hot"`` (what an output-only step reads of each history record: u by the output launch,
+    normalised k and g by the window launch) and ``"fold"`` (what a fold reads: raw k, raw v, g, beta)."""
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
-    kg = K if family == "kda" else 1
-    return hv * V * 4 + hk * K * 4 + hv * kg * 4 + hv * 4 + hk * K * act_bytes + hv * V * act_bytes
+    g = hv * (K if family == "kda" else 1) * 4
+    raw = hk * K * act_bytes + hv * V * act_bytes
+    return {"all": hv * V * 4 + hk * K * 4 + g + hv * 4 + raw, "hot": hv * V * 4 + hk * K * 4 + g,
+            "fold": raw + g + hv * 4}
 
 
 def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
@@ -178,7 +183,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
         if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
             return replay_bytes  # the window's written
-        return 2 * batch * state_bytes + (batch * d + int(accepted.sum())) * rec * (d > 1)
+        return 2 * batch * state_bytes + (batch * d * rec["all"] + int(accepted.sum()) * rec["fold"]) * (d > 1)
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
@@ -186,9 +191,12 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             return "step"
         return "window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
 
-    mean_hist = (history - d + 1) / 2
-    replay_bytes = batch * (state_bytes + (mean_hist + d) * rec + d * rec
-                            + fold_share * (2 * state_bytes + history * rec))
+    mean_hist = (history - d) / 2  # spread cursors: 0 .. L - D records
+    # the checkpoint and the history's hot words read, the window's records written, and a fold's share: the
+    # state read and written once more, the full history's raw records read (the window launch's scratch not
+    # counted: two launches' artifact, not a byte replay must move)
+    replay_bytes = batch * (state_bytes + mean_hist * rec["hot"] + d * rec["all"]
+                            + fold_share * (2 * state_bytes + history * rec["fold"]))
     if d == 1:
         mixed = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)[0]
         out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
@@ -218,7 +226,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
             up_rec = hv * V * 4 + hk * K * 4 + hv * (K if is_kda else 1) * 4  # d, k (per key head), g: float32
             upstream_row = ("upstream-replayssm", "upstream", upstream_step,
-                            batch * (state_bytes * (1 + 1 / history) + (history / 2) * up_rec),
+                            # the state read (and rewritten by a flush, 1 step in L), the ring's (L - 1) / 2
+                            # records read on average, a record written by the other L - 1 steps
+                            batch * (state_bytes * (1 + 1 / history) + ((history - 1) / 2 + (history - 1) / history)
+                                     * up_rec),
                             "fused_recurrent_linear_replayssm_decode (sglang 0.5.23) + write_pos advance once a "
                             f"step (after each {layers} slot groups)",
                             state_bytes + history * up_rec + 4)
@@ -253,7 +264,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                   batch * (1 + d + 2) * state_bytes, "verify(intermediate states)+fused_mamba_state_scatter_with_mask")
     op, impl, fn, nbytes, path = native
     native_per_req = (1 + d if d > 1 else 1) * state_bytes  # SGLang: S (+ D intermediate states)
-    replay_per_req = state_bytes + 2 * history * rec + SLOT_WORDS_BYTES
+    replay_per_req = state_bytes + 2 * history * rec["all"] + SLOT_WORDS_BYTES
     for impl_, fold, fn_, nbytes_, path_, per_req in (
             (impl, None, fn, nbytes, path, native_per_req),
             *(("ours-replay", f"fused {name}", replay_step_fused(variant), fused_bytes(variant), fused_path(variant),
@@ -437,7 +448,7 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
-                           "[:pdl|:nopdl][:through|:nothrough]",
+                           "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
@@ -451,7 +462,9 @@ def main(argv=None) -> int:
                         "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
                         "or verify written through to the checkpoint (served:through) or output-only "
                         "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
-                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch). The first "
+                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch); an "
+                        "output-only decode's cursors settled once a step (:stepcursor, served) or after each "
+                        "layer's decode (:layercursor). The first "
                         "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "

@@ -192,9 +192,13 @@ def test_record_bytes_match_the_sizing_model():
 
     for family, kg in (("gdn", 1), ("kda", 128)):
         hk, hv = bench_replay.FAMILIES[family]["hk"], bench_replay.FAMILIES[family]["hv"]
-        assert bench_replay.record_bytes(family) == record_bytes(
+        parts = bench_replay.record_bytes(family)
+        assert parts["all"] == record_bytes(
             "replay", head_k_dim=128, head_v_dim=128, gate_width=kg, activation_dtype=torch.bfloat16,
             num_v_heads=hv, num_k_heads=hk)
+        # the hot path reads u and the normalised key, a fold the raw inputs and beta; both read g
+        assert parts["hot"] == hv * 128 * 4 + hk * 128 * 4 + hv * kg * 4
+        assert parts["hot"] + parts["fold"] == parts["all"] + hv * kg * 4
 
 
 import replay_drift  # noqa: E402
