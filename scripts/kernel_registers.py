@@ -71,8 +71,9 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     import triton
 
     from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_FOLD_PROJECTS, SERVED_PDL,
-                                                    replay_output_kernel, replay_step_kernel, replay_window_kernel,
-                                                    served_window_key_heads, served_window_warps)
+                                                    fold_projects_fit, replay_output_kernel, replay_step_kernel,
+                                                    replay_window_kernel, served_window_key_heads,
+                                                    served_window_warps)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -93,7 +94,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
     tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
                 NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
-    projects = SERVED_FOLD_PROJECTS and not tile["DOT"] and fused_fold and bv <= 2 * tile["FBV"]
+    projects = SERVED_FOLD_PROJECTS and fold_projects_fit(2, tile["DOT"], fused_fold, bv, tile["FBV"])
     out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers,
                                                         dict(tile, FOLD_PROJECTS=projects), num_warps, num_stages)}
     if one_launch:

@@ -791,6 +791,13 @@ from the folded columns it holds (``replay_verify(fold_projects=True)``), saving
 fold (at L = 16, batch 128, GDN: ~17 MB of the 332 a step must move). Not timed on a GPU yet: off."""
 
 
+def fold_projects_fit(launches: int, dot: bool, fused_fold: bool, block_v: int, fold_block_v: int) -> bool:
+    """Whether an output launch can let its folding programs project the window themselves (``fold_projects``):
+    the output launch of two, CUDA-core projections, a fused fold, and ``block_v`` columns in at most two fold
+    passes of ``fold_block_v``. Where it cannot, :data:`SERVED_FOLD_PROJECTS` does not apply."""
+    return launches == 2 and not dot and fused_fold and block_v <= 2 * fold_block_v
+
+
 def pdl_available(device: torch.device | str) -> bool:
     """Whether launches on ``device`` can overlap by programmatic dependent launch (CUDA, compute capability
     9.0 or newer, not the Triton interpreter)."""
@@ -903,8 +910,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
-    fold_projects = SERVED_FOLD_PROJECTS and launches == 2 and not dot if fold_projects is None else fold_projects
-    if fold_projects and (launches != 2 or dot or not fused_fold or BV > 2 * fbv):
+    projects_fit = fold_projects_fit(launches, dot, fused_fold, BV, fbv)
+    fold_projects = SERVED_FOLD_PROJECTS and projects_fit if fold_projects is None else fold_projects
+    if fold_projects and not projects_fit:
         raise ValueError(f"fold_projects: a fused fold projects the window itself only in the output launch of two, "
                          f"on CUDA cores and in at most two passes of columns (launches {launches}, dot {dot}, "
                          f"fused_fold {fused_fold}, block_v {BV} over {fbv} columns a pass); pass fold_projects=False")
