@@ -109,8 +109,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     spread = torch.arange(rounds * batch, device="cuda", dtype=torch.int32) % max(1, history - d + 1)
     # a step's cursor settle: after each run of `layers` rounds (and the last), their groups' slots at once
     layers = min(rounds, FAMILIES[family]["layers"])
-    step_slots = {r: torch.arange((r // layers) * layers * batch, (r + 1) * batch, dtype=torch.int32, device="cuda")
+    step_spans = {r: ((r // layers) * layers * batch, (r + 1) * batch)  # the slots [start, stop) it settles
                   for r in range(rounds) if (r + 1) % layers == 0 or r == rounds - 1}
+    slot_ids = torch.arange(rounds * batch, dtype=torch.int32, device="cuda")
+    step_slots = {r: slot_ids[start:stop] for r, (start, stop) in step_spans.items()}
 
     def spread_cursors():  # every replay row starts from the same spread cursors (a write-through empties them)
         for word in ring.cleared_words():
@@ -221,8 +223,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                 upstream_replayssm.decode(upstream, x["A_log"], x["a"], x["dt_bias"], x["q"], x["k"], x["v"], x["b"],
                                           pool, groups[r], up_ring, up_pos[r], is_kda=is_kda, out=up_out,
                                           mixed=mixed)
-                if r in step_slots:  # its write_pos once a step, as ours
-                    upstream_replayssm.advance(up_all[(r // layers) * layers * batch:(r + 1) * batch], history)
+                if r in step_spans:  # its write_pos once a step, as ours
+                    upstream_replayssm.advance(up_all[slice(*step_spans[r])], history)
 
             up_rec = hv * V * 4 + hk * K * 4 + hv * (K if is_kda else 1) * 4  # d, k (per key head), g: float32
             upstream_row = ("upstream-replayssm", "upstream", upstream_step,

@@ -75,9 +75,10 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     """How a program of either output launch (grid ``(cdiv(V, BV), N * HV)``) starts: its request (the
     ``order[i]``-th with ``FOLD_FIRST``), value and key head, value columns and cursor, and (``FOLD_HERE``) its
     checkpoint columns folded first (:func:`fold_columns`) when the request's window overflows the history.
-    Returns ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0, r, fold)``: ``bos`` the request's
-    first token, ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first record, ``r``
-    the ring slot, ``fold`` whether the window overflows (its records then in the half ``rec0`` is not)."""
+    Returns ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0, r, fold, fold0)``: ``bos`` the
+    request's first token, ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first
+    record (its half of the ring), ``r`` the ring slot, ``fold`` whether the window overflows, ``fold0`` the ring
+    position of the records a fold replays (the half ``rec0`` is not in)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if FOLD_FIRST:
@@ -88,12 +89,13 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
     rec0 = r * 2 * L + phase.to(tl.int64) * L
+    fold0 = r * 2 * L + (1 - phase).to(tl.int64) * L
     if FOLD_HERE:
-        if fold:  # the full history sits in the other half
+        if fold:  # the full history sits in the other half (fold0, formed here as the served kernel always has)
             fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r,
                          r * 2 * L + (1 - phase).to(tl.int64) * L, i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
             tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
-    return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0, r, fold
+    return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0, r, fold, fold0
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -384,7 +386,7 @@ def replay_output_kernel(
     tl.static_assert(not (FOLD_PROJECTS and DOT), "a fold that projects does so on CUDA cores")
     if PDL and FOLD_FIRST:
         tl.extra.cuda.gdc_wait()
-    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, r, fold = output_program(
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, r, fold, fold0 = output_program(
         h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
         K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, not FOLD_PROJECTS)
 
@@ -401,25 +403,20 @@ def replay_output_kernel(
     b_sk = tl.zeros([TP, BV], dtype=tl.float32)
     b_sq = tl.zeros([TP, BV], dtype=tl.float32)
     m_h = mask_v[None, :] & (idx >= 0)
+    n_tiles = K // BK
     if FOLD_PROJECTS:
-        if fold:  # the history sits in the other half of the ring
-            b_sk, b_sq = fold_project_columns(
-                p_h0, proj, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r,
-                r * 2 * L + tl.where(rec0 == r * 2 * L, L, 0), bos, T, i_h, i_hv, i_v, H, HV, K, V, BV, FBV, TP, W,
-                IS_KDA)
+        if fold:  # the folded columns projected as they are folded: no K tile left to read
+            b_sk, b_sq = fold_project_columns(p_h0, proj, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, fold0,
+                                              bos, T, i_h, i_hv, i_v, H, HV, K, V, BV, FBV, TP, W, IS_KDA)
+        n_tiles = tl.where(fold, 0, n_tiles)
+    for kk in range(0, n_tiles):
+        o_k = kk * BK + o_bk
+        if DOT:  # [BV, BK] x [BK, NP] on tensor cores
+            b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
+            b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
+            b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
         else:
-            for kk in range(0, K // BK):
-                b_sk, b_sq = project_tile(p_h0, proj, bos, T, i_hv, o_v, kk * BK + o_bk, m_h, o_t, b_sk, b_sq, HV, K,
-                                          TP, W)
-    else:
-        for kk in range(0, K // BK):
-            o_k = kk * BK + o_bk
-            if DOT:  # [BV, BK] x [BK, NP] on tensor cores
-                b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
-                b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
-                b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
-            else:
-                b_sk, b_sq = project_tile(p_h0, proj, bos, T, i_hv, o_v, o_k, m_h, o_t, b_sk, b_sq, HV, K, TP, W)
+            b_sk, b_sq = project_tile(p_h0, proj, bos, T, i_hv, o_v, o_k, m_h, o_t, b_sk, b_sq, HV, K, TP, W)
     b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
         if DOT:
@@ -459,7 +456,7 @@ def replay_step_kernel(
     and the history and window coefficients (``[TP, L]``, ``[TP, TP]``); the program of the first column tile
     appends the window's key-side records (normalised and raw k once per key head, g, beta). The history's
     keys are read once per column tile (``V / BV`` times per head) instead of once per head."""
-    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, _, _ = output_program(
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, _, _, _ = output_program(
         h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
         K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, True)
     o_bk = tl.arange(0, BK)
