@@ -335,9 +335,6 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["write_through"] = opt == "through"
             elif opt in ("stepcursor", "layercursor"):
                 kw["cursor"] = opt[:-6]
-            elif opt in ("foldproj", "foldstore"):  # two launches: how a fused fold hands over its columns
-                kw["fold_projects"] = opt == "foldproj"
-                kw.setdefault("launches", 2)
             elif opt in ("vk", "kv"):
                 kw["v_major"] = opt == "vk"
             elif opt in ("prefetch", "noprefetch"):
@@ -352,11 +349,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                              ":vk / :kv (a write-through's tile held [BV, K] or [K, BV]), :prefetch / :noprefetch (a "
                              "write-through verify loading each draft token's inputs during the previous token's "
                              "step, or not; else as served), :stepcursor / :layercursor (an output-only decode's "
-                             "cursors settled once a step, as served, or after each layer's decode), :foldproj / "
-                             ":foldstore (two launches, CUDA-core projections: a folding output program projects "
-                             "the window from the columns it folded, or stores them and reads them back)")
-        if "fold_projects" in kw and kw["launches"] == 1:
-            parser.error(f"--variants {value}: :foldproj / :foldstore are the output launch's of two; drop :one")
+                             "cursors settled once a step, as served, or after each layer's decode)")
         if "window_key_heads" in kw and kw["launches"] == 1:
             parser.error(f"--variants {value}: :keyhead / :valuehead tile the window launch of two; drop :one")
         if kw.get("write_through"):
@@ -457,7 +450,7 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
-                           "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor][:foldproj|:foldstore]",
+                           "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
@@ -473,9 +466,7 @@ def main(argv=None) -> int:
                         "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
                         "ops.replay.write_through.serves_write_through_verify for a verify, by batch); an "
                         "output-only decode's cursors settled once a step (:stepcursor, served) or after each "
-                        "layer's decode (:layercursor); a folding output program projecting the window from the "
-                        "columns it folded (:foldproj; two launches, CUDA-core projections) or storing and re-reading "
-                        "them (:foldstore; default ops.replay.verify.SERVED_FOLD_PROJECTS). The first "
+                        "layer's decode (:layercursor). The first "
                         "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
@@ -502,10 +493,6 @@ def main(argv=None) -> int:
     if "kda" in args.families and any(kw.get("window_key_heads") for _, kw in variants):
         p.error("--variants ...:keyhead: one window program per key head is GDN's (KDA's gates are per channel "
                 "and value head); pass --families gdn")
-    if any(d > 1 for d in args.draft_tokens) and any(kw.get("fold_projects") and kw.get("dot") is not False
-                                                     for _, kw in variants):
-        p.error("--variants ...:foldproj: a fold projects on CUDA cores, and a verify of D > 1 projects on tensor "
-                "cores by default; add :fma or pass --draft-tokens 1")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm

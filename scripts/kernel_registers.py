@@ -70,9 +70,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_FOLD_PROJECTS, SERVED_PDL,
-                                                    fold_projects_fit, replay_output_kernel, replay_step_kernel,
-                                                    replay_window_kernel, served_window_key_heads,
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_PDL, replay_output_kernel,
+                                                    replay_step_kernel, replay_window_kernel, served_window_key_heads,
                                                     served_window_warps)
 
     is_kda = family == "kda"
@@ -94,9 +93,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
     tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
                 NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
-    projects = SERVED_FOLD_PROJECTS and fold_projects_fit(2, tile["DOT"], fused_fold, bv, tile["FBV"])
-    out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers,
-                                                        dict(tile, FOLD_PROJECTS=projects), num_warps, num_stages)}
+    out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:
         step = dict(tile, BETA_ACTIVATED=False, ROUND_BETA=not is_kda)
         out["one launch"] = _ptxas_resources(

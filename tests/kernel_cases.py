@@ -77,16 +77,6 @@ def assert_same_outputs_but_tiling(ours, native):
     assert ((a - b).abs() <= bound).all(), f"{ulps(ours, native)} ulps apart"
 
 
-def assert_same_ring_but_u(ours, reference, atol: float) -> None:
-    """Two rings after the same rounds by launches that sum the outputs in another order: every buffer bit for bit
-    but ``u`` (it only feeds outputs, never a fold), which agrees to float32 rounding (``rtol`` 1e-5, ``atol``)."""
-    for name, t in reference.buffers().items():
-        if name == "u":
-            torch.testing.assert_close(ours.u, t, rtol=1e-5, atol=atol)
-        else:
-            assert torch.equal(t, ours.buffers()[name]), name
-
-
 def compiled_variants(jit) -> int:
     """How many variants of a Triton kernel have been compiled on any device so far."""
     return sum(len(cache[0]) for cache in jit.device_caches.values())

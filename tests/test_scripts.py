@@ -117,11 +117,6 @@ def test_bench_replay_variants_name_the_launch_options():
         ("served:stepcursor", dict(cursor="step")), ("served:layercursor", dict(cursor="layer"))]
     with pytest.raises(SystemExit):  # a write-through leaves no cursor to settle
         bench_replay.parse_variants(p, ["served:through:layercursor"])
-    assert bench_replay.parse_variants(p, ["served:foldproj", "32x1:foldstore:fma"]) == [
-        ("served:foldproj", dict(fold_projects=True, launches=2)),
-        ("32x1:foldstore:fma", dict(block_v=32, num_warps=1, fold_projects=False, launches=2, dot=False))]
-    with pytest.raises(SystemExit):
-        bench_replay.parse_variants(p, ["served:foldproj:one"])
 
 
 def test_bench_replay_refuses_a_key_head_window_it_cannot_run():
@@ -133,8 +128,6 @@ def test_bench_replay_refuses_a_key_head_window_it_cannot_run():
         bench_replay.parse_variants(p, ["served:valuehead:one"])
     proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused", "--variants", "served:keyhead")
     assert proc.returncode == 2 and "pass --families gdn" in proc.stderr
-    proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused", "--variants", "served:foldproj")
-    assert proc.returncode == 2 and "add :fma or pass --draft-tokens 1" in proc.stderr
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

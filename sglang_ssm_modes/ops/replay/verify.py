@@ -71,14 +71,12 @@ def window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L: tl.const
 def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order,
                    T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                    FBV: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-                   FOLD_FIRST: tl.constexpr, FOLD_HERE: tl.constexpr):
+                   FOLD_FIRST: tl.constexpr):
     """How a program of either output launch (grid ``(cdiv(V, BV), N * HV)``) starts: its request (the
-    ``order[i]``-th with ``FOLD_FIRST``), value and key head, value columns and cursor, and (``FOLD_HERE``) its
-    checkpoint columns folded first (:func:`fold_columns`) when the request's window overflows the history.
-    Returns ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0, r, fold, fold0)``: ``bos`` the
-    request's first token, ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first
-    record (its half of the ring), ``r`` the ring slot, ``fold`` whether the window overflows, ``fold0`` the ring
-    position of the records a fold replays (the half ``rec0`` is not in)."""
+    ``order[i]``-th with ``FOLD_FIRST``), value and key head, value columns and cursor, its checkpoint
+    columns folded first (:func:`fold_columns`) when the request's window overflows the history. Returns
+    ``(i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, count, p_h0, rec0)``: ``bos`` the request's first token,
+    ``p_h0`` the head's checkpoint, ``rec0`` the ring position of the history's first record."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     if FOLD_FIRST:
@@ -89,13 +87,11 @@ def output_program(h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, 
     idx, r, valid, c, phase, fold = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     p_h0 = h0_source + tl.maximum(idx, 0) * HV * K * V + i_hv * K * V
     rec0 = r * 2 * L + phase.to(tl.int64) * L
-    fold0 = r * 2 * L + (1 - phase).to(tl.int64) * L
-    if FOLD_HERE:
-        if fold:  # the full history sits in the other half (fold0, formed here as the served kernel always has)
-            fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r,
-                         r * 2 * L + (1 - phase).to(tl.int64) * L, i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
-            tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
-    return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0, r, fold, fold0
+    if fold:  # the full history sits in the other half
+        fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, r * 2 * L + (1 - phase).to(tl.int64) * L,
+                     i_h, i_hv, i_v, H, HV, K, V, BV, FBV, IS_KDA)
+        tl.debug_barrier()  # the caller's loop reads the folded columns other threads stored
+    return i_v, bos, i_hv, i_h, o_v, o_v < V, idx, valid, c, p_h0, rec0
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -356,7 +352,6 @@ def replay_output_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
     FBV: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, NP: tl.constexpr, IS_KDA: tl.constexpr,
     FUSED_FOLD: tl.constexpr, DOT: tl.constexpr, FOLD_FIRST: tl.constexpr, PDL: tl.constexpr,
-    FOLD_PROJECTS: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV), N * HV)``, after :func:`replay_window_kernel` filled ``proj``: the V-side of
     the window (``v`` ``[1, N*T, HV, V]``, ``o`` like v). ``h0_source`` ``[slots, HV, V, K]``: checkpoints at
@@ -372,9 +367,6 @@ def replay_output_kernel(
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
-    ``FOLD_PROJECTS`` (CUDA-core projections, at most two fold passes): a folding program projects the window
-    onto each folded tile it holds (:func:`fold_project_columns`) instead of storing its columns and reading them
-    back in the K loop — one checkpoint read fewer per fold; its fold comes after the PDL wait (it reads ``proj``).
 
     ``PDL`` (launched as a programmatic dependent of the window launch): the program starts while the window
     launch still runs and waits for it (``griddepcontrol.wait``) before the first read of anything that launch
@@ -383,12 +375,11 @@ def replay_output_kernel(
     o_bk = tl.arange(0, BK)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    tl.static_assert(not (FOLD_PROJECTS and DOT), "a fold that projects does so on CUDA cores")
     if PDL and FOLD_FIRST:
         tl.extra.cuda.gdc_wait()
-    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, r, fold, fold0 = output_program(
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
         h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
-        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, not FOLD_PROJECTS)
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
 
     b_uh = tl.load(r_u + ((rec0 + o_l[:, None]) * HV + i_hv) * V + o_v[None, :],
                    mask=(o_l < c)[:, None] & mask_v[None, :], other=0)
@@ -403,20 +394,19 @@ def replay_output_kernel(
     b_sk = tl.zeros([TP, BV], dtype=tl.float32)
     b_sq = tl.zeros([TP, BV], dtype=tl.float32)
     m_h = mask_v[None, :] & (idx >= 0)
-    n_tiles = K // BK
-    if FOLD_PROJECTS:
-        if fold:  # the folded columns projected as they are folded: no K tile left to read
-            b_sk, b_sq = fold_project_columns(p_h0, proj, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, fold0,
-                                              bos, T, i_h, i_hv, i_v, H, HV, K, V, BV, FBV, TP, W, IS_KDA)
-        n_tiles = tl.where(fold, 0, n_tiles)
-    for kk in range(0, n_tiles):
+    for kk in range(0, K // BK):
         o_k = kk * BK + o_bk
+        b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
         if DOT:  # [BV, BK] x [BK, NP] on tensor cores
-            b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
             b_p = tl.load(p_prow + o_k[None, :], mask=m_p[:, None], other=0)
             b_sp = tl.dot(tl.trans(b_s0), tl.trans(b_p), acc=b_sp, input_precision="tf32x3")
         else:
-            b_sk, b_sq = project_tile(p_h0, proj, bos, T, i_hv, o_v, o_k, m_h, o_t, b_sk, b_sq, HV, K, TP, W)
+            for t in tl.static_range(TP):
+                p_row = proj + ((bos + t) * HV + i_hv) * W
+                b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
+                b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
+                b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * b_ke[:, None], 0)[None, :], b_sk)
+                b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * b_qe[:, None], 0)[None, :], b_sq)
     b_uw = tl.zeros([TP, BV], dtype=tl.float32)  # the window's u so far, row j = token j
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
         if DOT:
@@ -456,9 +446,9 @@ def replay_step_kernel(
     and the history and window coefficients (``[TP, L]``, ``[TP, TP]``); the program of the first column tile
     appends the window's key-side records (normalised and raw k once per key head, g, beta). The history's
     keys are read once per column tile (``V / BV`` times per head) instead of once per head."""
-    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0, _, _, _ = output_program(
+    i_v, bos, i_hv, i_h, o_v, mask_v, idx, valid, c, p_h0, rec0 = output_program(
         h0_source, h0_indices, r_kraw, r_vraw, r_g, r_beta, r_count, r_phase, r_faults, rec_indices, order, T, H, HV,
-        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST, True)
+        K, V, BV, FBV, L, IS_KDA, FUSED_FOLD, FOLD_FIRST)
     o_bk = tl.arange(0, BK)
     o_K = tl.arange(0, K)
     o_l = tl.arange(0, L)
@@ -583,55 +573,6 @@ def replay_step_kernel(
 
 
 @triton.jit
-def project_tile(p_h0, proj, bos, T, i_hv, o_v, o_k, m_h, o_t, b_sk, b_sq, HV: tl.constexpr, K: tl.constexpr,
-                 TP: tl.constexpr, W: tl.constexpr):
-    """One K tile ``o_k`` of the checkpoint projections on CUDA cores: the checkpoint rows ``[BK, BV]`` read
-    and dotted with each token's ``e^{G_t} k_t`` and ``e^{G_t} q_t`` rows of ``proj``, added to ``b_sk``,
-    ``b_sq`` ``[TP, BV]`` (returned)."""
-    b_s0 = tl.load(p_h0 + o_v[None, :] * K + o_k[:, None], mask=m_h, other=0).to(tl.float32)
-    for t in tl.static_range(TP):
-        p_row = proj + ((bos + t) * HV + i_hv) * W
-        b_ke = tl.load(p_row + o_k, mask=t < T, other=0)
-        b_qe = tl.load(p_row + K + o_k, mask=t < T, other=0)
-        b_sk = tl.where(o_t[:, None] == t, b_sk + tl.sum(b_s0 * b_ke[:, None], 0)[None, :], b_sk)
-        b_sq = tl.where(o_t[:, None] == t, b_sq + tl.sum(b_s0 * b_qe[:, None], 0)[None, :], b_sq)
-    return b_sk, b_sq
-
-
-@triton.jit
-def fold_project_columns(p_h0, proj, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, bos, T, i_h, i_hv,
-                         i_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                         FBV: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr):
-    """:func:`fold_columns` (the same folded, rounded and stored checkpoint columns, in one or two passes of
-    ``FBV``) that also projects each folded tile, as stored, onto the window's ``e^{G_t} k_t`` and
-    ``e^{G_t} q_t`` (whole-K rows of ``proj``): returns ``(b_sk, b_sq)`` ``[TP, BV]`` as the K loop of
-    :func:`project_tile` would accumulate them from the stored columns, without reading them back."""
-    tl.static_assert(BV // FBV <= 2, "a fold that projects holds at most two passes of columns")
-    o_k = tl.arange(0, K)
-    o_t = tl.arange(0, TP)
-    p_rows = proj + ((bos + o_t) * HV + i_hv) * W
-    b_ke = tl.load(p_rows[:, None] + o_k[None, :], mask=(o_t < T)[:, None], other=0)  # [TP, K]
-    b_qe = tl.load(p_rows[:, None] + K + o_k[None, :], mask=(o_t < T)[:, None], other=0)
-    n_rec = tl.load(r_count + r)
-    for j in tl.static_range(BV // FBV):
-        b_h = fold_column_pass(p_h0, r_kraw, r_vraw, r_g, r_beta, r_faults, r, pos0, n_rec, i_h, i_hv,
-                               i_v * BV + j * FBV + tl.arange(0, FBV), o_k, H, HV, K, V, IS_KDA)
-        b_pk = tl.zeros([TP, FBV], dtype=tl.float32)
-        b_pq = tl.zeros([TP, FBV], dtype=tl.float32)
-        for t in tl.static_range(TP):
-            b_kt = tl.sum(tl.where(o_t[:, None] == t, b_ke, 0), 0)
-            b_qt = tl.sum(tl.where(o_t[:, None] == t, b_qe, 0), 0)
-            b_pk = tl.where(o_t[:, None] == t, tl.sum(b_h * b_kt[:, None], 0)[None, :], b_pk)
-            b_pq = tl.where(o_t[:, None] == t, tl.sum(b_h * b_qt[:, None], 0)[None, :], b_pq)
-        if j == 0:
-            b_sk, b_sq = b_pk, b_pq
-        else:  # the second pass's columns after the first's
-            b_sk = tl.reshape(tl.permute(tl.join(b_sk, b_pk), (0, 2, 1)), [TP, BV])
-            b_sq = tl.reshape(tl.permute(tl.join(b_sq, b_pq), (0, 2, 1)), [TP, BV])
-    return b_sk, b_sq
-
-
-@triton.jit
 def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, i_h, i_hv, i_v, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FBV: tl.constexpr,
                  IS_KDA: tl.constexpr):
@@ -640,29 +581,19 @@ def fold_columns(p_h0, r_kraw, r_vraw, r_g, r_beta, r_count, r_faults, r, pos0, 
     full-K columns at a time (value columns evolve independently; a ``[K, FBV]`` float32 tile is what the
     registers hold), each rounded once, stored, and checked (:func:`~.ring.flag_nonfinite`)."""
     o_k = tl.arange(0, K)
+    mask_k = o_k < K
     n_rec = tl.load(r_count + r)
     for j in range(0, BV // FBV):
-        fold_column_pass(p_h0, r_kraw, r_vraw, r_g, r_beta, r_faults, r, pos0, n_rec, i_h, i_hv,
-                         i_v * BV + j * FBV + tl.arange(0, FBV), o_k, H, HV, K, V, IS_KDA)
-
-
-@triton.jit
-def fold_column_pass(p_h0, r_kraw, r_vraw, r_g, r_beta, r_faults, r, pos0, n_rec, i_h, i_hv, o_vf, o_k,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IS_KDA: tl.constexpr):
-    """One pass of a fused fold: checkpoint columns ``o_vf`` (``[K, FBV]`` float32 in registers) advanced over the
-    ``n_rec`` records from ``pos0``, rounded once to the checkpoint dtype, stored and checked
-    (:func:`~.ring.flag_nonfinite`). Returns the columns as stored, in float32 (0 past V)."""
-    mask_k = o_k < K
-    mask_vf = o_vf < V
-    p_tile = p_h0 + o_vf[None, :] * K + o_k[:, None]
-    m_tile = mask_k[:, None] & mask_vf[None, :]
-    b_h = tl.load(p_tile, mask=m_tile, other=0).to(tl.float32)
-    b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, pos0, n_rec, i_h, i_hv, o_k, o_vf, mask_k, mask_vf,
-                        H, HV, K, V, IS_KDA)
-    b_out = b_h.to(p_tile.dtype.element_ty)
-    tl.store(p_tile, b_out, mask=m_tile)
-    flag_nonfinite(r_faults, r, b_out.to(tl.float32))
-    return tl.where(m_tile, b_out.to(tl.float32), 0)
+        o_vf = i_v * BV + j * FBV + tl.arange(0, FBV)
+        mask_vf = o_vf < V
+        p_tile = p_h0 + o_vf[None, :] * K + o_k[:, None]
+        m_tile = mask_k[:, None] & mask_vf[None, :]
+        b_h = tl.load(p_tile, mask=m_tile, other=0).to(tl.float32)
+        b_h = apply_records(b_h, r_kraw, r_vraw, r_g, r_beta, pos0, n_rec, i_h, i_hv, o_k, o_vf, mask_k, mask_vf,
+                            H, HV, K, V, IS_KDA)
+        b_out = b_h.to(p_tile.dtype.element_ty)
+        tl.store(p_tile, b_out, mask=m_tile)
+        flag_nonfinite(r_faults, r, b_out.to(tl.float32))
 
 
 @triton.jit
@@ -779,20 +710,11 @@ launch, ``replay_verify(pdl=True)``). Off: on the H200 (bench/results/replay/pdl
 side by side, D = 4, L = 16, float32) it changed nothing — GDN 136.8 / 136.7 µs at batch 64, 474.6 / 474.9 at
 256; KDA 153.7 / 153.6, 556.2 / 557.7 — CUDA-graph replay already hides the launch gap, and from 32 requests
 (fold-first order) the output programs wait for the window launch before their first read. Bit for bit the
-same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``)."""
-
-
-SERVED_FOLD_PROJECTS = False
-"""Whether a served two-launch verify on CUDA cores (plain decode) lets a folding output program project the window
-from the folded columns it holds (``replay_verify(fold_projects=True)``), saving the checkpoint's second read per
-fold (at L = 16, batch 128, GDN: ~17 MB of the 332 a step must move). Not timed on a GPU yet: off."""
-
-
-def fold_projects_fit(launches: int, dot: bool, fused_fold: bool, block_v: int, fold_block_v: int) -> bool:
-    """Whether an output launch can let its folding programs project the window themselves (``fold_projects``):
-    the output launch of two, CUDA-core projections, a fused fold, and ``block_v`` columns in at most two fold
-    passes of ``fold_block_v``. Where it cannot, :data:`SERVED_FOLD_PROJECTS` does not apply."""
-    return launches == 2 and not dot and fused_fold and block_v <= 2 * fold_block_v
+same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``). Asked
+again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, float32, side by side): D = 1,
+L = 16 0.977-0.999 of served's µs from 32 to 256 requests (under 1 % from 128), D = 4 0.99-1.01, L = 32 and 64
+level but for GDN D = 1 L = 32 at 64 requests, 1.09x slower (twice in two runs): not worth a second compiled
+variant per launch."""
 
 
 def pdl_available(device: torch.device | str) -> bool:
@@ -826,7 +748,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  window_key_heads: bool | None = None, fold_projects: bool | None = None) -> torch.Tensor:
+                  window_key_heads: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -851,10 +773,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
     (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value heads)
-    or one per value head (default: :func:`served_window_key_heads`). ``fold_projects`` (two launches, CUDA-core
-    projections, at most two fold passes per output program): a folding output program projects the window from
-    the folded columns it holds rather than storing and re-reading them (default :data:`SERVED_FOLD_PROJECTS`).
-    Checkpoints and every record but ``u``
+    or one per value head (default: :func:`served_window_key_heads`). Checkpoints and every record but ``u``
     are the same bits for every choice;
     outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
     """
@@ -907,12 +826,6 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
-    projects_fit = fold_projects_fit(launches, dot, fused_fold, BV, fbv)
-    fold_projects = SERVED_FOLD_PROJECTS and projects_fit if fold_projects is None else fold_projects
-    if fold_projects and not projects_fit:
-        raise ValueError(f"fold_projects: a fused fold projects the window itself only in the output launch of two, "
-                         f"on CUDA cores and in at most two passes of columns (launches {launches}, dot {dot}, "
-                         f"fused_fold {fused_fold}, block_v {BV} over {fbv} columns a pass); pass fold_projects=False")
     if launches == 1:
         if fold_first:
             fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
@@ -941,5 +854,5 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         H=hk, HV=hv, K=kdim, V=vdim, BV=BV, BK=BK, FBV=fbv, L=L, TP=TP, W=W,
         NP=max(16, 2 * TP),
         IS_KDA=is_kda, FUSED_FOLD=fused_fold, DOT=dot, FOLD_FIRST=fold_first, PDL=pdl,
-        FOLD_PROJECTS=fold_projects, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return o
