@@ -25,12 +25,20 @@ WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit 
 """Where KDA's plain-decode output-only figures come from (both paths side by side in one run per state dtype)
 and the write-through's as served now (its 16-column tile, side by side with native in one run)."""
 
+THRESHOLD_SOURCE = "bench/results/replay/thresholds_20261206, H100"
+"""Where the bounds moved since the cursors settle once a step come from: both paths side by side with native in
+one run per family and state dtype, at the batches between those measured before (and the default grid's
+figures above them, bench/results/replay/h100_20261206_81fc048)."""
+
 OUTPUT_ONLY_DECODE = {
     ("gdn", 16, 4): ("1.06x native at 32 running requests, 1.36-1.38x from 64 to 256", False, KEY_HEAD_SOURCE),
-    ("kda", 16, 4): ("1.13-1.15x native from 64 to 256 running requests", False, OUTPUT_ONLY_SOURCE),
-    ("gdn", 32, 4): ("1.02x native at 64 running requests, 1.32-1.34x at 128-256", False, KEY_HEAD_SOURCE),
+    ("kda", 16, 4): ("1.03 / 1.05 / 1.08x native at 40 / 48 / 56 running requests, 1.22-1.25x from 64 to 256",
+                     False, THRESHOLD_SOURCE),
+    ("gdn", 32, 4): ("1.12 / 1.24 / 1.31x native at 40 / 48 / 56 running requests, 1.02-1.05x at 64, 1.30-1.37x "
+                     "at 128-256", False, THRESHOLD_SOURCE),
     ("gdn", 64, 4): ("1.04-1.13x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
-    ("gdn", 16, 2): ("1.05-1.11x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
+    ("gdn", 16, 2): ("0.95 / 1.01 / 1.07 / 1.13x native at 80 / 88 / 96 / 112 running requests (the write-through "
+                     "0.88-0.89x there), 1.06-1.16x at 128-256", False, THRESHOLD_SOURCE),
     ("kda", 16, 2): ("0.76x native at 128-256 running requests", True, OUTPUT_ONLY_SOURCE),
     ("gdn", 32, 2): ("0.97x native at 128-256 running requests (the write-through 0.88x there)", True,
                      KEY_HEAD_SOURCE),

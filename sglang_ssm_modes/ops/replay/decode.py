@@ -25,13 +25,19 @@ from .write_through import replay_write_through, state_bytes
 
 
 WRITE_THROUGH_BELOW = {
-    ("gdn", 16, 4): 32, ("kda", 16, 4): 64, ("gdn", 32, 4): 64, ("kda", 32, 4): None,
+    ("gdn", 16, 4): 32, ("kda", 16, 4): 40, ("gdn", 32, 4): 40, ("kda", 32, 4): None,
     ("gdn", 64, 4): 128, ("kda", 64, 4): None,
-    ("gdn", 16, 2): 128, ("kda", 16, 2): 128, ("gdn", 32, 2): 128, ("kda", 32, 2): None,
+    ("gdn", 16, 2): 80, ("kda", 16, 2): 128, ("gdn", 32, 2): 128, ("kda", 32, 2): None,
     ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
-never — write-through at every batch). GDN's rows since its window launch runs per key head
+never — write-through at every batch). Since the cursors settle once a step (3bfe099), the bounds between the
+earlier measured batches, both paths side by side on an H100 (bench/results/replay/thresholds_20261206; ratios
+against SGLang's decode, write-through / output-only): float32 GDN L = 32 0.99 / 0.99x at 32 requests, 1.00 /
+1.12x at 40, 1.01 / 1.24x at 48; KDA L = 16 1.00 / 1.01x at 32, 0.99 / 1.03x at 40, 0.99 / 1.05x at 48 (at L = 32
+output-only 0.79-0.98x to 56: still write-through); bfloat16 GDN L = 16 0.88 / 0.89x at 72, 0.89 / 0.95x at 80,
+0.88 / 1.01x at 88, 0.89 / 1.07x at 96, 0.88 / 1.13x at 112 (at L = 32 0.89 / 0.88x at 96: still 128; KDA
+L = 16 0.87 / 0.83x at 96: still 128). Before that, GDN's rows since its window launch runs per key head
 (:func:`~.verify.served_window_key_heads`), both paths side by side on an H100 (bench/results/replay/
 keyhead_bounds_20261206, commit 4a280d3; ratios against SGLang's decode, write-through / output-only, batch 16 /
 32 / 64 / 128 / 256): float32 L = 16 1.00 / 0.67, 1.06, 1.36, 1.36, 1.38x; L = 32 1.00 / 0.73, 0.96, 1.02,
