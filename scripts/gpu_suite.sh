@@ -2,7 +2,8 @@
 # The GPU suite, run on the GPU machine from the repo root with .gpu/ carried (see README "GPU suite").
 #
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_suite.sh [PART ...]
-#   PART: tests (default: every gpu-marked test) | tests:FILE[::NAME] (every test there, on the GPU)
+#   PART: tests (default: every gpu-marked test) | tests:shard=I/N (every N-th gpu-marked test from the I-th:
+#         the whole suite does not fit one call) | tests:FILE[::NAME] (every test there, on the GPU)
 #         | bench-compact (extra arguments in $BENCH_COMPACT_ARGS) | bench-replay ($BENCH_REPLAY_ARGS)
 #         | bench-commit (the eager commit after a verify, per mode, scripts/bench_commit.py; $BENCH_COMMIT_ARGS)
 #         | drift (replay's bf16 state over 10 000 decode tokens, scripts/replay_drift.py; $DRIFT_ARGS)
@@ -18,8 +19,13 @@ OUT=${OUT:-$PWD/out}
 PARTS=("${@:-tests}")
 for part in "${PARTS[@]}"; do
     case "$part" in
+        tests:shard=*)
+            shard=${part#tests:shard=}
+            if ! [[ "$shard" =~ ^([0-9]+)/([0-9]+)$ ]] || (( BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2] )); then
+                echo "part '$part': a shard is I/N with 1 <= I <= N, e.g. tests:shard=2/3" >&2; exit 2
+            fi ;;
         tests|tests:*|bench-compact|bench-replay|bench-commit|drift|e2e) ;;
-        *) echo "unknown part '$part'; parts: tests, tests:FILE[::NAME], bench-compact, bench-replay, bench-commit, drift, e2e" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests, tests:shard=I/N, tests:FILE[::NAME], bench-compact, bench-replay, bench-commit, drift, e2e" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -47,9 +53,10 @@ export GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 export COMMIT=${COMMIT:-unknown}
 echo "commit $COMMIT date $(date -u +%F)" | tee -a "$OUT/gpu.txt"
 
-run_tests() {  # $1: pytest target, all its tests; without it every gpu-marked test
+run_tests() {  # $1: pytest target, all its tests; without it every gpu-marked test; $2: extra pytest arguments
     local args=(-m gpu tests)
     [ -n "${1:-}" ] && args=("$1")
+    [ -n "${2:-}" ] && args+=("$2")
     set +e
     python3 -m pytest -q -rA -p no:cacheprovider "${args[@]}" 2>&1 | tee -a "$OUT/gpu_tests.log"
     local rc=${PIPESTATUS[0]}
@@ -61,6 +68,7 @@ status=0
 for part in "${PARTS[@]}"; do
     case "$part" in
         tests) run_tests "" || status=1 ;;
+        tests:shard=*) run_tests "" "--gpu-shard=${part#tests:shard=}" || status=1 ;;
         tests:*) run_tests "${part#tests:}" || status=1 ;;
         bench-compact) python3 scripts/bench_compact.py --out "$OUT" ${BENCH_COMPACT_ARGS:-} || status=1 ;;
         bench-replay) python3 scripts/bench_replay.py --out "$OUT" ${BENCH_REPLAY_ARGS:-} || status=1 ;;

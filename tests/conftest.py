@@ -19,7 +19,31 @@ else:
     _HAS_CUDA = True
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-shard", metavar="I/N", default=None,
+                     help="run the I-th of N shares of the selected tests (every N-th from the I-th in collection "
+                          "order), so that the GPU suite's tests fit calls of limited time "
+                          "(scripts/gpu_suite.sh tests:shard=I/N)")
+
+
+def _shard(value: str) -> tuple[int, int]:
+    """``I/N`` as ``(I, N)``, 1 <= I <= N; a bad value is a usage error naming the form."""
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--gpu-shard {value!r}: expected I/N with 1 <= I <= N, e.g. 2/3")
+    return i, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--gpu-shard"):
+        i, n = _shard(config.getoption("--gpu-shard"))
+        keep = [item for k, item in enumerate(items) if k % n == i - 1]
+        config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i - 1])
+        items[:] = keep
     if _HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_suite.sh on the GPU machine")

@@ -83,6 +83,24 @@ def test_gpu_suite_names_its_parts_and_needs_the_site_archive(tmp_path):
     proc = _run("bash", "scripts/gpu_suite.sh", "nonsense", env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
     assert proc.returncode == 2
     assert "unknown part 'nonsense'" in proc.stderr
+    for bad in ("tests:shard=0/3", "tests:shard=4/3", "tests:shard=a/b", "tests:shard=2"):
+        proc = _run("bash", "scripts/gpu_suite.sh", "tests", bad, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
+        assert proc.returncode == 2 and "a shard is I/N with 1 <= I <= N" in proc.stderr, bad
+
+
+def test_gpu_shards_split_the_selected_tests_without_overlap():
+    """``--gpu-shard I/N`` (scripts/gpu_suite.sh tests:shard=I/N) keeps every N-th of the tests -m selected, from the
+    I-th: the shards together are the selection, each test in one of them; a bad value is a usage error."""
+    def collected(*extra):
+        proc = _run(sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                    "tests/test_replay_write_through.py", *extra)
+        return proc, [line for line in proc.stdout.splitlines() if "::" in line]
+    _, everything = collected()
+    shards = [collected(f"--gpu-shard={i}/3")[1] for i in (1, 2, 3)]
+    assert len(everything) >= 3 and sorted(sum(shards, [])) == sorted(everything)
+    assert shards[0] == everything[0::3] and shards[2] == everything[2::3]
+    proc, _ = collected("--gpu-shard=4/3")
+    assert proc.returncode != 0 and "expected I/N with 1 <= I <= N" in proc.stderr
 
 
 import bench_replay  # noqa: E402
