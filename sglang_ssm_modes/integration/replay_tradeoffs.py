@@ -20,15 +20,14 @@ from ..ops.replay.write_through import state_bytes, write_through_verify_below
 KEY_HEAD_SOURCE = "bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100"
 """Where GDN's output-only figures come from since its window launch runs per key head (both paths side by side
 with native in one run: plain decode, and D = 4 speculative rounds)."""
-OUTPUT_ONLY_SOURCE = "bench/results/replay/writethrough_20261205, commit a6a4a2a, H200"
 WRITE_THROUGH_SOURCE = "bench/results/replay/writethrough_tile_20261205, commit bd811dc, H100"
-"""Where KDA's plain-decode output-only figures come from (both paths side by side in one run per state dtype)
-and the write-through's as served now (its 16-column tile, side by side with native in one run)."""
+"""Where the write-through's plain-decode figures come from as served now (its 16-column tile, side by side with
+native in one run)."""
 
-THRESHOLD_SOURCE = "bench/results/replay/thresholds_20261206, H100"
+THRESHOLD_SOURCE = "bench/results/replay/thresholds_20261206, foldproj_20261206 and pdl_20261206, H100"
 """Where the bounds moved since the cursors settle once a step come from: both paths side by side with native in
-one run per family and state dtype, at the batches between those measured before (and the default grid's
-figures above them, bench/results/replay/h100_20261206_81fc048)."""
+one run per family and state dtype, at the batches between those measured before; the figures above them from
+the served rows of two more runs that day (commit 3ce6289, same card kind)."""
 
 OUTPUT_ONLY_DECODE = {
     ("gdn", 16, 4): ("1.06x native at 32 running requests, 1.36-1.38x from 64 to 256", False, KEY_HEAD_SOURCE),
@@ -39,9 +38,9 @@ OUTPUT_ONLY_DECODE = {
     ("gdn", 64, 4): ("1.04-1.13x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
     ("gdn", 16, 2): ("0.95 / 1.01 / 1.07 / 1.13x native at 80 / 88 / 96 / 112 running requests (the write-through "
                      "0.88-0.89x there), 1.06-1.16x at 128-256", False, THRESHOLD_SOURCE),
-    ("kda", 16, 2): ("0.76x native at 128-256 running requests", True, OUTPUT_ONLY_SOURCE),
-    ("gdn", 32, 2): ("0.97x native at 128-256 running requests (the write-through 0.88x there)", True,
-                     KEY_HEAD_SOURCE),
+    ("kda", 16, 2): ("0.89-0.90x native at 128-256 running requests", True, THRESHOLD_SOURCE),
+    ("gdn", 32, 2): ("0.98-1.00x native at 128-256 running requests (the write-through 0.88x there)", True,
+                     THRESHOLD_SOURCE),
 }
 """Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
 ``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, whether it was slower than

@@ -711,10 +711,10 @@ side by side, D = 4, L = 16, float32) it changed nothing — GDN 136.8 / 136.7 �
 256; KDA 153.7 / 153.6, 556.2 / 557.7 — CUDA-graph replay already hides the launch gap, and from 32 requests
 (fold-first order) the output programs wait for the window launch before their first read. Bit for bit the
 same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``). Asked
-again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, float32, side by side): D = 1,
-L = 16 0.977-0.999 of served's µs from 32 to 256 requests (under 1 % from 128), D = 4 0.99-1.01, L = 32 and 64
-level but for GDN D = 1 L = 32 at 64 requests, 1.09x slower (twice in two runs): not worth a second compiled
-variant per launch."""
+again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, float32, side by side): at
+L = 16 0.977-0.999 of served's µs for decode (under 1 % from 128 requests) and 0.989-1.005 for D = 4; at L = 32
+and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in two runs), KDA D = 4 at L = 32
+1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
 
 
 def pdl_available(device: torch.device | str) -> bool:
