@@ -1,6 +1,9 @@
 """Test-session setup: Triton kernels run under the interpreter on a machine without a GPU, and
-tests marked ``gpu`` are skipped there (scripts/gpu_suite.sh runs them on the GPU machine)."""
+tests marked ``gpu`` are skipped there (scripts/gpu_suite.sh runs them on the GPU machine); ``--gpu-shard I/N``
+keeps every N-th selected test from the I-th (scripts/gpu_suite.sh tests:shard=I/N: the suite in several calls;
+a shard with no test in it exits 5, as pytest does with nothing selected)."""
 
+import argparse
 import os
 
 import pytest
@@ -20,27 +23,27 @@ else:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--gpu-shard", metavar="I/N", default=None,
+    parser.addoption("--gpu-shard", metavar="I/N", default=None, type=_shard,
                      help="run the I-th of N shares of the selected tests (every N-th from the I-th in collection "
                           "order), so that the GPU suite's tests fit calls of limited time "
                           "(scripts/gpu_suite.sh tests:shard=I/N)")
 
 
 def _shard(value: str) -> tuple[int, int]:
-    """``I/N`` as ``(I, N)``, 1 <= I <= N; a bad value is a usage error naming the form."""
+    """``I/N`` as ``(I, N)``, 1 <= I <= N; a bad value is refused as the arguments are parsed, naming the form."""
     try:
         i, n = (int(x) for x in value.split("/"))
     except ValueError:
         i = n = 0
     if not 1 <= i <= n:
-        raise pytest.UsageError(f"--gpu-shard {value!r}: expected I/N with 1 <= I <= N, e.g. 2/3")
+        raise argparse.ArgumentTypeError(f"{value!r}: expected I/N with 1 <= I <= N, e.g. 2/3")
     return i, n
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--gpu-shard"):
-        i, n = _shard(config.getoption("--gpu-shard"))
+    if config.getoption("--gpu-shard") is not None:
+        i, n = config.getoption("--gpu-shard")
         keep = [item for k, item in enumerate(items) if k % n == i - 1]
         config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i - 1])
         items[:] = keep

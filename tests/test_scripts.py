@@ -83,7 +83,8 @@ def test_gpu_suite_names_its_parts_and_needs_the_site_archive(tmp_path):
     proc = _run("bash", "scripts/gpu_suite.sh", "nonsense", env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
     assert proc.returncode == 2
     assert "unknown part 'nonsense'" in proc.stderr
-    for bad in ("tests:shard=0/3", "tests:shard=4/3", "tests:shard=a/b", "tests:shard=2"):
+    for bad in ("tests:shard=0/3", "tests:shard=4/3", "tests:shard=a/b", "tests:shard=2", "tests:shard=10/09",
+                "tests:shard=08/09", "tests:shard="):
         proc = _run("bash", "scripts/gpu_suite.sh", "tests", bad, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
         assert proc.returncode == 2 and "a shard is I/N with 1 <= I <= N" in proc.stderr, bad
 
