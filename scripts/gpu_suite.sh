@@ -21,7 +21,7 @@ for part in "${PARTS[@]}"; do
     case "$part" in
         tests:shard=*)
             shard=${part#tests:shard=}
-            if ! [[ "$shard" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] || (( 10#${BASH_REMATCH[1]} > 10#${BASH_REMATCH[2]} )); then
+            if ! [[ "$shard" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] )); then
                 echo "part '$part': a shard is I/N with 1 <= I <= N, e.g. tests:shard=2/3" >&2; exit 2
             fi ;;
         tests|tests:*|bench-compact|bench-replay|bench-commit|drift|e2e) ;;

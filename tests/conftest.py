@@ -44,8 +44,10 @@ def _shard(value: str) -> tuple[int, int]:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--gpu-shard") is not None:
         i, n = config.getoption("--gpu-shard")
-        keep = [item for k, item in enumerate(items) if k % n == i - 1]
-        config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i - 1])
+        keep, drop = [], []
+        for k, item in enumerate(items):
+            (keep if k % n == i - 1 else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
     if _HAS_CUDA:
         return
