@@ -91,8 +91,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.replay.decode import serves_write_through
     from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_VERIFY_PREFETCH, replay_write_through_kernel,
                                                           serves_write_through_verify)
-    from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, replay_output_kernel, replay_step_kernel,
-                                                    replay_window_kernel, served_launches)
+    from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, output_tiling, replay_output_kernel,
+                                                    replay_step_kernel, replay_window_kernel, served_launches)
 
     resources = {} if resources is None else resources
 
@@ -178,7 +178,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         settle = ("" if d > 1 or variant.get("cursor") == "layer" else
                   f" once a step (after each {layers} slot groups; the server: its {FAMILIES[family]['layers']} "
                   "linear layers)")
-        tile = {key: value for key, value in variant.items() if key != "cursor"}
+        served = zip(("block_v", "num_warps", "block_k", "num_stages"), output_tiling(batch, d, is_kda, history, sd))
+        tile = {**{key: value or K for key, value in served},  # block_k None: the whole of K
+                **{key: value for key, value in variant.items() if key != "cursor"}}
         return (f"replay_verify[{launch_label(variant)}](fused fold, {tile}, round_beta={round_beta})"
                 f"+advance(window={d}){settle}")
 

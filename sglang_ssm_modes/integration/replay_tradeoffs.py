@@ -15,7 +15,8 @@ import torch
 
 from ..config import SSMModeConfig, dtype_name
 from ..ops.replay.decode import write_through_max_requests
-from ..ops.replay.write_through import state_bytes, write_through_verify_below
+from ..ops.replay.verify import state_bytes
+from ..ops.replay.write_through import write_through_verify_below
 
 KEY_HEAD_SOURCE = "bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100"
 """Where GDN's output-only figures come from since its window launch runs per key head (both paths side by side

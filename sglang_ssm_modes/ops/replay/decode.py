@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from .ring import ReplayRing, advance
-from .verify import replay_verify
-from .write_through import replay_write_through, state_bytes
+from .verify import replay_verify, state_bytes
+from .write_through import replay_write_through
 
 
 WRITE_THROUGH_BELOW = {
-    ("gdn", 16, 4): 32, ("kda", 16, 4): 40, ("gdn", 32, 4): 40, ("kda", 32, 4): None,
-    ("gdn", 64, 4): 128, ("kda", 64, 4): None,
-    ("gdn", 16, 2): 80, ("kda", 16, 2): 128, ("gdn", 32, 2): 128, ("kda", 32, 2): None,
+    ("gdn", 16, 4): 32, ("kda", 16, 4): 40, ("gdn", 32, 4): 40, ("kda", 32, 4): 64,
+    ("gdn", 64, 4): 112, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 80, ("kda", 16, 2): 128, ("gdn", 32, 2): 112, ("kda", 32, 2): None,
     ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:

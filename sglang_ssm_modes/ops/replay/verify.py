@@ -648,13 +648,40 @@ WIDE_TILING = (32, 1, 64, 3)
 """The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on: 32 columns on one warp
 (SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
 WIDE_TILING_MIN_REQUESTS = 64
-"""Requests per launch from which :data:`WIDE_TILING` serves. On the H200 (bench/results/replay/
+"""Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
+:data:`WIDE_DECODE_FROM`). On the H200 (bench/results/replay/
 kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
 on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
 1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
 Narrow is faster at 32 requests and fewer (decode batch 32 1.07 / 1.06x, D = 4 batch 16 1.11 / 1.13x)
 except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical launches measured 7 %
 apart at batch 16)."""
+
+
+WIDE_DECODE_FROM = {
+    ("gdn", 16, 4): 64, ("kda", 16, 4): 64, ("gdn", 32, 4): 112, ("kda", 32, 4): None,
+    ("gdn", 64, 4): None, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 80, ("kda", 16, 2): 80, ("gdn", 32, 2): 112, ("kda", 32, 2): 192,
+    ("gdn", 64, 2): None, ("kda", 64, 2): None,
+}
+"""Per ``(family, history, state bytes)``: the requests per launch from which a one-token output launch (an
+output-only decode) runs :data:`WIDE_TILING` (None: narrow at every batch). Both tilings output-only side by side
+on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 64-256, output launch µs narrow /
+wide): the wide tile's 192 (L = 32) and 220 (L = 64) registers against the narrow's 128 and 167 cost more than
+its longer checkpoint reads save wherever the history is long — float32 GDN L = 32 61.9 / 81.9 µs at 64 requests,
+95.3 / 97.5 at 96, 109.3 / 104.3 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
+at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
+wide from 64 as for a verify (GDN 60.3 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
+narrow at 64, 60.6 / 57.5 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
+L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
+takes L = 16's bound; a state of 2-byte elements the bfloat16 row."""
+
+
+def state_bytes(state_dtype: torch.dtype) -> int:
+    """The state-bytes column of :data:`WIDE_DECODE_FROM`, :data:`~.decode.WRITE_THROUGH_BELOW` and
+    :data:`~.write_through.WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or
+    2 (bfloat16, float16)."""
+    return 4 if state_dtype.itemsize >= 4 else 2
 
 
 ONE_LAUNCH_MAX_TOKENS = 8
@@ -726,11 +753,18 @@ def pdl_available(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def output_tiling(requests: int) -> tuple[int, int, int | None, int]:
-    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests:
-    :data:`NARROW_TILING` or :data:`WIDE_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`,
-    three compiled variants of the output kernel per window length)."""
-    return WIDE_TILING if requests >= WIDE_TILING_MIN_REQUESTS else NARROW_TILING
+def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
+                  state_dtype: torch.dtype) -> tuple[int, int, int | None, int]:
+    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests of
+    ``tokens`` tokens each over a ``history``-record ring and a ``state_dtype`` checkpoint: :data:`WIDE_TILING`
+    from :data:`WIDE_DECODE_FROM` requests on for one token, from :data:`WIDE_TILING_MIN_REQUESTS` for more, else
+    :data:`NARROW_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`, at most three compiled
+    variants of the output kernel per window length)."""
+    if tokens == 1:
+        wide_from = WIDE_DECODE_FROM[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+    else:
+        wide_from = WIDE_TILING_MIN_REQUESTS
+    return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
 
 
 FOLD_WARP_COLUMNS = 16
@@ -768,7 +802,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
     per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
-    choice for the launch's requests), ``window_warps`` tiles the window launch (default:
+    choice for the launch), ``window_warps`` tiles the window launch (default:
     :func:`served_window_warps`); ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
@@ -785,7 +819,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     T = t_all // n
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    served = output_tiling(n)
+    served = output_tiling(n, T, is_kda, ring.history, checkpoints.dtype)
     bv = served[0] if block_v is None else block_v
     warps = served[1] if num_warps is None else num_warps
     stages = served[3] if num_stages is None else num_stages

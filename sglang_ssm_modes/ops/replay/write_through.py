@@ -25,7 +25,7 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, delta_rule_update, delta_rule_update_u, l2normalize, store_key_record,
                                token_inputs)
 from .ring import ReplayRing, flag_nonfinite
-from .verify import window_cursor
+from .verify import state_bytes, window_cursor
 
 
 @triton.jit
@@ -272,12 +272,6 @@ L = 16 1.61-1.71 / 1.62 (a tie at 16), 2.16-2.90x; L = 32 1.60-1.71 / 1.20, 1.46
 1.58-1.72 / 1.33-1.42x below 64, 1.67 at 64 (a tie), 2.06-2.16x from 128; bfloat16 L = 16 1.10-1.14 / 1.15 (a tie
 at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. A history of L < 16 takes L = 16's
 bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
-
-
-def state_bytes(state_dtype: torch.dtype) -> int:
-    """The state-bytes column of :data:`~.decode.WRITE_THROUGH_BELOW` and :data:`WRITE_THROUGH_VERIFY_BELOW` a
-    pool of ``state_dtype`` is measured under: 4 (float32) or 2 (bfloat16, float16)."""
-    return 4 if state_dtype.itemsize >= 4 else 2
 
 
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
