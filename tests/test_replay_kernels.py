@@ -14,10 +14,12 @@ from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS, WIDE_TILING,
-                                                WIDE_TILING_MIN_REQUESTS, fold_order_kernel, replay_output_kernel,
-                                                pdl_available, replay_step_kernel, replay_window_kernel,
-                                                served_launches, served_window_key_heads)
+from sglang_ssm_modes.ops.replay import verify as replay_verify_module
+from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, NARROW_TILING, ONE_LAUNCH_MAX_TOKENS,
+                                                WIDE_DECODE_FROM, WIDE_TILING, WIDE_TILING_MIN_REQUESTS,
+                                                fold_order_kernel, output_tiling, replay_output_kernel, pdl_available,
+                                                replay_step_kernel, replay_window_kernel, served_launches,
+                                                served_window_key_heads)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 
@@ -348,13 +350,15 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
     """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
     per served choice and never per count. Per window length the output launch has three — narrow tiling in
     request order, narrow fold-first, wide fold-first (:data:`FOLD_FIRST_MIN_REQUESTS` 32,
-    :data:`WIDE_TILING_MIN_REQUESTS` 64) — the window launch two (request order; fold-first, with the order
+    :data:`WIDE_TILING_MIN_REQUESTS` 64, and 64 for a float32 decode at L = 8 in :data:`WIDE_DECODE_FROM`) — the
+    window launch two (request order; fold-first, with the order
     program) and the one-launch kernel one (up to :data:`ONE_LAUNCH_MAX_TOKENS` 8 tokens: 8 decode requests, 2
     verify), with a head shape no other test uses (earlier compilations cannot hide a recompile); the separate
     order launch none (it serves a one-launch verify of 32 requests or more, never a served choice)."""
     n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
     kernels = (replay_window_kernel, replay_output_kernel, replay_step_kernel)
-    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, ONE_LAUNCH_MAX_TOKENS) == (32, 64, 8)  # hence the counts
+    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, WIDE_DECODE_FROM[("gdn", 16, 4)],
+            ONE_LAUNCH_MAX_TOKENS) == (32, 64, 64, 8)  # hence the counts
     order_before = compiled_variants(fold_order_kernel)
     for d in (1, 4):
         params, x, pool, _ = make_case("gdn", n_max, d, hk, hv, kdim, vdim, torch.float32, seed=60 + d)
@@ -381,6 +385,48 @@ def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
     assert [served_launches(1, False, L) for L in (8, 16, 32, 64)] == [1, 1, 1, 2]
     assert [served_launches(t, False, 32) for t in (1, 2, 8)] == [1, 2, 2]
     assert [served_launches(1, True, L) for L in (8, 16)] == [2, 2]
+
+
+def test_the_served_output_tiling():
+    """Wide from 64 requests for a verify (T > 1) at every history and state; for a one-token output launch from
+    the measured bound per family, history and state width (:data:`WIDE_DECODE_FROM`: float32 L = 16 64, GDN L = 32
+    112, never at L = 64 or KDA L = 32; 2-byte states 80 at L = 16, 112 / 192 at L = 32), L < 16 as L = 16."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert set(WIDE_DECODE_FROM) == {(f, L, b) for f in ("gdn", "kda") for L in (16, 32, 64) for b in (4, 2)}
+
+    def wide_from(tokens, kda, L, dt):  # the first request count served wide, None if none up to 511
+        tilings = {n: output_tiling(n, tokens, kda, L, dt) for n in range(1, 512)}
+        assert set(tilings.values()) <= {NARROW_TILING, WIDE_TILING}
+        return next((n for n, tiling in tilings.items() if tiling == WIDE_TILING), None)
+
+    assert all(wide_from(t, kda, L, dt) == 64 for t in (2, 4) for kda in (False, True) for L in (8, 16, 32, 64)
+               for dt in (f32, bf16))
+    assert {(kda, L, dt): wide_from(1, kda, L, dt) for kda in (False, True) for L in (8, 16, 32, 64)
+            for dt in (f32, bf16, f16)} == {
+        **{(kda, L, f32): 64 for kda in (False, True) for L in (8, 16)},
+        **{(kda, L, dt): 80 for kda in (False, True) for L in (8, 16) for dt in (bf16, f16)},
+        (False, 32, f32): 112, (True, 32, f32): None, (False, 32, bf16): 112, (True, 32, bf16): 192,
+        (False, 32, f16): 112, (True, 32, f16): 192,
+        **{(kda, 64, dt): None for kda in (False, True) for dt in (f32, bf16, f16)}}
+
+
+@pytest.mark.parametrize("family,d,state_dtype", [("gdn", 1, torch.float32), ("kda", 4, torch.bfloat16)])
+def test_replay_verify_asks_for_the_tiling_of_its_launch(family, d, state_dtype, monkeypatch):
+    """``replay_verify`` tiles its output launch by :func:`output_tiling` of its own request count, tokens per
+    request, family, ring history and checkpoint dtype (the served choice is the one benchmarked)."""
+    asked = []
+
+    def spy(*args):
+        asked.append(args)
+        return NARROW_TILING
+
+    monkeypatch.setattr(replay_verify_module, "output_tiling", spy)
+    n, hk, hv, kdim, vdim, L = 3, 1, 2, 16, 16, 8
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=81)
+    ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    call_replay_verify(params, x, family, n, d, pool.to(DEVICE), state_idx, ring, rec_idx)
+    assert asked == [(n, d, family == "kda", L, state_dtype)]
 
 
 def test_gdn_window_launches_are_served_per_key_head():

@@ -210,22 +210,23 @@ def test_output_only_decode_leaves_a_record_and_write_through_none():
 
 
 def test_the_served_choice_between_write_through_and_output_only():
-    """Write-through below the measured crossover (float32: GDN 32 requests at L <= 16, 40 at L = 32, 128 at
-    L = 64, KDA 40 at L <= 16; 2-byte states: GDN 80 at L <= 16, 128 at L = 32, KDA 128 at L <= 16), at every
-    batch where output-only decode was slower than it everywhere measured (float32: KDA L = 32, L = 64; 2-byte
-    states: KDA L = 32, L = 64); a history shorter than 16 takes L = 16's bound."""
+    """Write-through below the measured crossover (float32: GDN 32 requests at L <= 16, 40 at L = 32, 112 at
+    L = 64, KDA 40 at L <= 16, 64 at L = 32; 2-byte states: GDN 80 at L <= 16, 112 at L = 32, KDA 128 at L <= 16),
+    at every batch where output-only decode was slower than it everywhere measured (float32: KDA L = 64; 2-byte
+    states: KDA L = 32, GDN and KDA L = 64); a history shorter than 16 takes L = 16's bound."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert [serves_write_through(n, False, 16, f32) for n in (1, 16, 31, 32, 256)] == [True] * 3 + [False] * 2
     assert [serves_write_through(n, True, 16, f32) for n in (39, 40)] == [True, False]
     assert [serves_write_through(n, False, 8, f32) for n in (31, 32)] == [True, False]
     assert [serves_write_through(n, False, 32, f32) for n in (39, 40)] == [True, False]
-    assert [serves_write_through(n, False, 64, f32) for n in (127, 128)] == [True, False]
-    assert all(serves_write_through(n, True, L, f32) for n in (1, 511) for L in (32, 64))
+    assert [serves_write_through(n, False, 64, f32) for n in (111, 112)] == [True, False]
+    assert [serves_write_through(n, True, 32, f32) for n in (63, 64)] == [True, False]
+    assert all(serves_write_through(n, True, 64, f32) for n in (1, 511))
     assert [serves_write_through(n, False, L, dt) for L in (8, 16) for dt in (bf16, f16)
             for n in (79, 80)] == [True, False] * 4
     assert [serves_write_through(n, True, L, dt) for L in (8, 16) for dt in (bf16, f16)
             for n in (127, 128)] == [True, False] * 4
-    assert [serves_write_through(n, False, 32, dt) for dt in (bf16, f16) for n in (127, 128)] == [True, False] * 2
+    assert [serves_write_through(n, False, 32, dt) for dt in (bf16, f16) for n in (111, 112)] == [True, False] * 2
     assert all(serves_write_through(511, kda, L, dt) for kda, L in ((True, 32), (False, 64), (True, 64))
                for dt in (bf16, f16))
     assert write_through_max_requests(False, 16, f32) == 31 and write_through_max_requests(True, 64, f32) is None
