@@ -30,18 +30,25 @@ THRESHOLD_SOURCE = "bench/results/replay/thresholds_20261206, foldproj_20261206 
 one run per family and state dtype, at the batches between those measured before; the figures above them from
 the served rows of two more runs that day (commit 3ce6289, same card kind)."""
 
+DECODE_TILING_SOURCE = "bench/results/replay/decode_tiling_20261206, commit 7d73792, H100"
+"""Where the figures of the bounds moved with the narrow decode tile at long histories come from (the output-only
+path in both tilings and the write-through side by side with native in each of two runs)."""
+
 OUTPUT_ONLY_DECODE = {
     ("gdn", 16, 4): ("1.06x native at 32 running requests, 1.36-1.38x from 64 to 256", False, KEY_HEAD_SOURCE),
     ("kda", 16, 4): ("1.03 / 1.05 / 1.08x native at 40 / 48 / 56 running requests, 1.22-1.25x from 64 to 256",
                      False, THRESHOLD_SOURCE),
-    ("gdn", 32, 4): ("1.12 / 1.24 / 1.31x native at 40 / 48 / 56 running requests, 1.02-1.05x at 64, 1.30-1.37x "
-                     "at 128-256", False, THRESHOLD_SOURCE),
-    ("gdn", 64, 4): ("1.04-1.13x native at 128-256 running requests", False, KEY_HEAD_SOURCE),
+    ("gdn", 32, 4): ("1.12 / 1.24 / 1.31x native at 40 / 48 / 56 running requests (bench/results/replay/"
+                     "thresholds_20261206), 1.27-1.33x at 64-96, 1.30-1.39x at 112-256", False, DECODE_TILING_SOURCE),
+    ("kda", 32, 4): ("1.00-1.04x native from 64 to 256 running requests (the write-through 0.97-0.99x there)", False,
+                     DECODE_TILING_SOURCE),
+    ("gdn", 64, 4): ("1.08-1.19x native at 112-256 running requests (the write-through 1.00x there)", False,
+                     DECODE_TILING_SOURCE),
     ("gdn", 16, 2): ("0.95 / 1.01 / 1.07 / 1.13x native at 80 / 88 / 96 / 112 running requests (the write-through "
                      "0.88-0.89x there), 1.06-1.16x at 128-256", False, THRESHOLD_SOURCE),
     ("kda", 16, 2): ("0.89-0.90x native at 128-256 running requests", True, THRESHOLD_SOURCE),
-    ("gdn", 32, 2): ("0.98-1.00x native at 128-256 running requests (the write-through 0.88x there)", True,
-                     THRESHOLD_SOURCE),
+    ("gdn", 32, 2): ("0.93-0.98x native at 112-256 running requests (the write-through 0.85-0.88x there)", True,
+                     DECODE_TILING_SOURCE),
 }
 """Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
 ``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, whether it was slower than

@@ -31,7 +31,13 @@ WRITE_THROUGH_BELOW = {
     ("gdn", 64, 2): None, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
-never — write-through at every batch). Since the cursors settle once a step (3bfe099), the bounds between the
+never — write-through at every batch). Since a decode's output launch keeps the narrow tile at long histories
+(:data:`~.verify.WIDE_DECODE_FROM`), three bounds moved, both paths side by side on an H100 (bench/results/replay/
+decode_tiling_20261206, commit 7d73792; ratios against SGLang's decode, write-through / output-only): float32 GDN
+L = 64 1.01 / 0.92x at 80 requests, 1.00 / 1.01x at 96 (a tie), 1.00 / 1.08x at 112, output-only 1.16-1.18x at
+128 where the wide tile gave 1.05-1.07x (was 128); KDA L = 32 0.99 / 1.04x at 64, 0.97-0.99 / 1.00-1.03x from 80 to
+256 (was never; at 56 0.99 / 0.98x, thresholds_20261206); bfloat16 GDN L = 32 (wide tile) 0.89 / 0.88x at 96,
+0.88 / 0.96x at 112 (was 128). Since the cursors settle once a step (3bfe099), the bounds between the
 earlier measured batches, both paths side by side on an H100 (bench/results/replay/thresholds_20261206; ratios
 against SGLang's decode, write-through / output-only): float32 GDN L = 32 0.99 / 0.99x at 32 requests, 1.00 /
 1.12x at 40, 1.01 / 1.24x at 48; KDA L = 16 1.00 / 1.01x at 32, 0.99 / 1.03x at 40, 0.99 / 1.05x at 48 (at L = 32

@@ -667,14 +667,15 @@ WIDE_DECODE_FROM = {
 """Per ``(family, history, state bytes)``: the requests per launch from which a one-token output launch (an
 output-only decode) runs :data:`WIDE_TILING` (None: narrow at every batch). Both tilings output-only side by side
 on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 64-256, output launch µs narrow /
-wide): the wide tile's 192 (L = 32) and 220 (L = 64) registers against the narrow's 128 and 167 cost more than
-its longer checkpoint reads save wherever the history is long — float32 GDN L = 32 61.9 / 81.9 µs at 64 requests,
+wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.9 µs at 64 requests,
 95.3 / 97.5 at 96, 109.3 / 104.3 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
 at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
 wide from 64 as for a verify (GDN 60.3 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
 narrow at 64, 60.6 / 57.5 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
 L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
-takes L = 16's bound; a state of 2-byte elements the bfloat16 row."""
+takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
+GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's wide 168 / 192 / 220
+at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none spill)."""
 
 
 def state_bytes(state_dtype: torch.dtype) -> int:
