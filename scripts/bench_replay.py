@@ -91,8 +91,9 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.replay.decode import serves_write_through
     from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_VERIFY_PREFETCH, replay_write_through_kernel,
                                                           serves_write_through_verify)
-    from sglang_ssm_modes.ops.replay.verify import (SERVED_PDL, output_tiling, replay_output_kernel,
-                                                    replay_step_kernel, replay_window_kernel, served_launches)
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling,
+                                                    replay_output_kernel, replay_step_kernel, replay_window_kernel,
+                                                    served_launches)
 
     resources = {} if resources is None else resources
 
@@ -180,8 +181,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                   "linear layers)")
         served = zip(("block_v", "num_warps", "block_k", "num_stages"), output_tiling(batch, d, is_kda, history, sd))
         tile = {**{key: value or K for key, value in served},  # block_k None: the whole of K
-                **{key: value for key, value in variant.items() if key != "cursor"}}
-        return (f"replay_verify[{launch_label(variant)}](fused fold, {tile}, round_beta={round_beta})"
+                **{key: value for key, value in variant.items()
+                   if key not in ("cursor", "write_through", "fold_first")}}
+        order = "fold-first" if variant.get("fold_first", batch >= FOLD_FIRST_MIN_REQUESTS) else "request order"
+        return (f"replay_verify[{launch_label(variant)}](fused fold, {order}, {tile}, round_beta={round_beta})"
                 f"+advance(window={d}){settle}")
 
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
@@ -280,10 +283,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             *((fla_row,) if d == 1 and fla is not None else ())):
         if impl_ in STATELESS_IMPLS and not stateless:
             continue
-        key = (family, dtype_name, history, d, round_beta, fold, "write-through" in path_)
+        key = (family, dtype_name, history, d, path_)  # the kernels a row runs: the same for the same path
         if impl_ == "ours-replay":
             spread_cursors()
-        if impl_ == "ours-replay" and key not in resources:  # first call of this variant: what ptxas gave it
+        if impl_ == "ours-replay" and key not in resources:  # first call of this path: what ptxas gave it
             resources[key] = compiled_resources({"window": replay_window_kernel, "output": replay_output_kernel,
                                                  "step": replay_step_kernel,
                                                  "write-through": replay_write_through_kernel},
@@ -454,7 +457,8 @@ def main(argv=None) -> int:
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
                            "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
-                        "(served: ops.replay.verify.output_tiling, by requests per launch) or fixed (block_v x "
+                        "(served: ops.replay.verify.output_tiling, by requests per launch, tokens, family, "
+                        "history and state dtype) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
                         "key head or per value head (:keyhead / :valuehead; served: per key head), the checkpoint "
                         "rows per step of "

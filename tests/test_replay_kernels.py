@@ -408,6 +408,9 @@ def test_the_served_output_tiling():
         (False, 32, f32): 112, (True, 32, f32): None, (False, 32, bf16): 112, (True, 32, bf16): 192,
         (False, 32, f16): 112, (True, 32, f16): 192,
         **{(kda, 64, dt): None for kda in (False, True) for dt in (f32, bf16, f16)}}
+    for history in (24, 128):  # no measured bound: refused, naming the histories served
+        with pytest.raises(ValueError, match=f"replay history {history}: .* 8, 16, 32, 64"):
+            output_tiling(64, 1, False, history, f32)
 
 
 @pytest.mark.parametrize("family,d,state_dtype", [("gdn", 1, torch.float32), ("kda", 4, torch.bfloat16)])

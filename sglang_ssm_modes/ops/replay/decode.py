@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .ring import ReplayRing, advance
-from .verify import replay_verify, state_bytes
+from .verify import measured_key, replay_verify
 from .write_through import replay_write_through
 
 
@@ -35,14 +35,15 @@ never — write-through at every batch). Since a decode's output launch keeps th
 (:data:`~.verify.WIDE_DECODE_FROM`), three bounds moved, both paths side by side on an H100 (bench/results/replay/
 decode_tiling_20261206, commit 7d73792; ratios against SGLang's decode, write-through / output-only): float32 GDN
 L = 64 1.01 / 0.92x at 80 requests, 1.00 / 1.01x at 96 (a tie), 1.00 / 1.08x at 112, output-only 1.16-1.18x at
-128 where the wide tile gave 1.05-1.07x (was 128); KDA L = 32 0.99 / 1.04x at 64, 0.97-0.99 / 1.00-1.03x from 80 to
-256 (was never; at 56 0.99 / 0.98x, thresholds_20261206); bfloat16 GDN L = 32 (wide tile) 0.89 / 0.88x at 96,
+128 where the wide tile gave 1.05-1.07x (was 128); KDA L = 32 0.99 / 1.04x at 64, 0.97-1.00 / 1.00-1.03x from 80 to
+256 (one output-only step of 0.95x at 128 whose launches add up to 1.06x; was never; at 56 0.99 / 0.98x,
+thresholds_20261206); bfloat16 GDN L = 32 (wide tile) 0.89 / 0.88x at 96,
 0.88 / 0.96x at 112 (was 128). Since the cursors settle once a step (3bfe099), the bounds between the
 earlier measured batches, both paths side by side on an H100 (bench/results/replay/thresholds_20261206; ratios
 against SGLang's decode, write-through / output-only): float32 GDN L = 32 0.99 / 0.99x at 32 requests, 1.00 /
 1.12x at 40, 1.01 / 1.24x at 48; KDA L = 16 1.00 / 1.01x at 32, 0.99 / 1.03x at 40, 0.99 / 1.05x at 48 (at L = 32
-output-only 0.79-0.98x to 56: still write-through); bfloat16 GDN L = 16 0.88 / 0.89x at 72, 0.89 / 0.95x at 80,
-0.88 / 1.01x at 88, 0.89 / 1.07x at 96, 0.88 / 1.13x at 112 (at L = 32 0.89 / 0.88x at 96: still 128; KDA
+output-only 0.79-0.98x to 56: then still write-through); bfloat16 GDN L = 16 0.88 / 0.89x at 72, 0.89 / 0.95x at
+80, 0.88 / 1.01x at 88, 0.89 / 1.07x at 96, 0.88 / 1.13x at 112 (at L = 32 0.89 / 0.88x at 96: then still 128; KDA
 L = 16 0.87 / 0.83x at 96: still 128). Before that, GDN's rows since its window launch runs per key head
 (:func:`~.verify.served_window_key_heads`), both paths side by side on an H100 (bench/results/replay/
 keyhead_bounds_20261206, commit 4a280d3; ratios against SGLang's decode, write-through / output-only, batch 16 /
@@ -62,7 +63,7 @@ L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row.
 def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
     """The most requests a served plain decode writes through (:data:`WRITE_THROUGH_BELOW`), None for every
     batch."""
-    below = WRITE_THROUGH_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+    below = WRITE_THROUGH_BELOW[measured_key(is_kda, history, state_dtype)]
     return None if below is None else below - 1
 
 

@@ -642,10 +642,12 @@ programs would otherwise be the launch's tail. Since 986b1f6 the order is one mo
 (no launch of its own; not yet timed)."""
 NARROW_TILING = (16, 1, None, 2)
 """``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
-requests: 16 value columns on one warp, the whole of K in one step — more, smaller programs for a launch
-too small to fill the GPU with native-sized ones."""
+requests (a decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one warp, the whole of K in one step
+— more, smaller programs for a launch too small to fill the GPU with native-sized ones, and for a decode over a
+long history at every batch measured."""
 WIDE_TILING = (32, 1, 64, 3)
-"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on: 32 columns on one warp
+"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on (a decode's: from
+:data:`WIDE_DECODE_FROM`): 32 columns on one warp
 (SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
 WIDE_TILING_MIN_REQUESTS = 64
 """Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
@@ -667,15 +669,16 @@ WIDE_DECODE_FROM = {
 """Per ``(family, history, state bytes)``: the requests per launch from which a one-token output launch (an
 output-only decode) runs :data:`WIDE_TILING` (None: narrow at every batch). Both tilings output-only side by side
 on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 64-256, output launch µs narrow /
-wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.9 µs at 64 requests,
-95.3 / 97.5 at 96, 109.3 / 104.3 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
+wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.8 µs at 64 requests,
+95.3 / 97.5 at 96, 109.3 / 104.8 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
 at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
-wide from 64 as for a verify (GDN 60.3 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
-narrow at 64, 60.6 / 57.5 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
+wide from 64 as for a verify (GDN 60.5 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
+narrow at 64, 60.6 / 57.8 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
 L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
 takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
-GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's wide 168 / 192 / 220
-at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none spill)."""
+with a float32 state GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's
+wide 168 / 192 / 220 at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none
+spill). A verify of D = 2 was not measured at L = 32 / 64: it takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4."""
 
 
 def state_bytes(state_dtype: torch.dtype) -> int:
@@ -683,6 +686,22 @@ def state_bytes(state_dtype: torch.dtype) -> int:
     :data:`~.write_through.WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or
     2 (bfloat16, float16)."""
     return 4 if state_dtype.itemsize >= 4 else 2
+
+
+MEASURED_HISTORIES = (16, 32, 64)
+"""The histories the served bounds were measured at (a shorter history takes L = 16's)."""
+
+
+def measured_key(is_kda: bool, history: int, state_dtype: torch.dtype) -> tuple[str, int, int]:
+    """The ``(family, history, state bytes)`` row of the measured bound tables (:data:`WIDE_DECODE_FROM`,
+    :data:`~.decode.WRITE_THROUGH_BELOW`, :data:`~.write_through.WRITE_THROUGH_VERIFY_BELOW`) a replay ring of
+    ``history`` records and a ``state_dtype`` pool is served by; a history between or beyond the measured ones
+    is a ``ValueError`` (the server offers ``--ssm-replay-history`` 8, 16, 32 or 64 only)."""
+    measured = max(history, MEASURED_HISTORIES[0])
+    if measured not in MEASURED_HISTORIES:
+        raise ValueError(f"replay history {history}: the served paths were measured at L <= 16, 32 and 64 only; "
+                         "pass one of 8, 16, 32, 64 or choose the tiling and path explicitly")
+    return ("kda" if is_kda else "gdn", measured, state_bytes(state_dtype))
 
 
 ONE_LAUNCH_MAX_TOKENS = 8
@@ -762,7 +781,7 @@ def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
     :data:`NARROW_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`, at most three compiled
     variants of the output kernel per window length)."""
     if tokens == 1:
-        wide_from = WIDE_DECODE_FROM[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+        wide_from = WIDE_DECODE_FROM[measured_key(is_kda, history, state_dtype)]
     else:
         wide_from = WIDE_TILING_MIN_REQUESTS
     return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
@@ -803,7 +822,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
     per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
-    choice for the launch), ``window_warps`` tiles the window launch (default:
+    choice for the launch; a history the bounds were not measured at needs all four), ``window_warps`` tiles the window launch (default:
     :func:`served_window_warps`); ``dot`` projects the
     checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
     or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
@@ -820,7 +839,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     T = t_all // n
     if T > ring.history:
         raise ValueError(f"a window of {T} tokens does not fit a replay history of {ring.history}: L >= D needed")
-    served = output_tiling(n, T, is_kda, ring.history, checkpoints.dtype)
+    tiling = (block_v, num_warps, block_k, num_stages)
+    served = output_tiling(n, T, is_kda, ring.history, checkpoints.dtype) if None in tiling else tiling
     bv = served[0] if block_v is None else block_v
     warps = served[1] if num_warps is None else num_warps
     stages = served[3] if num_stages is None else num_stages

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, delta_rule_update, delta_rule_update_u, l2normalize, store_key_record,
                                token_inputs)
 from .ring import ReplayRing, flag_nonfinite
-from .verify import state_bytes, window_cursor
+from .verify import measured_key, window_cursor
 
 
 @triton.jit
@@ -277,7 +277,7 @@ bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
     """The request count from which a served chain verify is output-only (:data:`WRITE_THROUGH_VERIFY_BELOW`; a
     history of L < 16 takes L = 16's row, a state of 2-byte elements the bfloat16 one), None for never."""
-    return WRITE_THROUGH_VERIFY_BELOW[("kda" if is_kda else "gdn", max(history, 16), state_bytes(state_dtype))]
+    return WRITE_THROUGH_VERIFY_BELOW[measured_key(is_kda, history, state_dtype)]
 
 
 def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
