@@ -11,7 +11,7 @@
   after its own decode instead (each layer settling its own, as before).
 * ``spec_round`` (verify of D tokens + acceptance): native as in ``bench_compact.py`` (GDN SGLang's,
   KDA ours); replay = its served chain verify + cursor advance: write-through for small batches
-  (``ops.replay.write_through.serves_write_through_verify``: the accepted records folded into the checkpoint,
+  (``ops.replay.served.serves_write_through_verify``: the accepted records folded into the checkpoint,
   written, and the window run from it, one launch) else output-only with the fold fused; ``:through`` /
   ``:nothrough`` force one.
 * ``upstream-replayssm`` rows (decode only): upstream SGLang's ReplaySSM decode kernel from the
@@ -88,12 +88,11 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
                                              replay_verify, replay_write_through, replay_write_through_verify)
-    from sglang_ssm_modes.ops.replay.decode import serves_write_through
-    from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_VERIFY_PREFETCH, replay_write_through_kernel,
-                                                          serves_write_through_verify)
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling,
-                                                    replay_output_kernel, replay_step_kernel, replay_window_kernel,
-                                                    served_launches)
+    from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, WRITE_THROUGH_VERIFY_PREFETCH,
+                                                    output_tiling, served_launches, serves_write_through,
+                                                    serves_write_through_verify)
+    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
+    from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
     resources = {} if resources is None else resources
 
@@ -315,7 +314,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
     for value in values:
         tiling, *opts = value.split(":")
         kw = {}
-        if tiling != "served":  # served: ops.replay.verify.output_tiling's choice per launch
+        if tiling != "served":  # served: ops.replay.served.output_tiling's choice per launch
             (bv, warps), = parse_tilings(parser, [tiling])
             kw = dict(block_v=bv, num_warps=warps)
         for opt in opts:
@@ -457,7 +456,7 @@ def main(argv=None) -> int:
                    metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
                            "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
-                        "(served: ops.replay.verify.output_tiling, by requests per launch, tokens, family, "
+                        "(served: ops.replay.served.output_tiling, by requests per launch, tokens, family, "
                         "history and state dtype) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
                         "key head or per value head (:keyhead / :valuehead; served: per key head), the checkpoint "
@@ -465,12 +464,12 @@ def main(argv=None) -> int:
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
-                        "batch 32 on, ops.replay.verify.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
+                        "batch 32 on, ops.replay.served.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "
                         "(:two: window, then output), the output launch a programmatic dependent of the window "
-                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.verify.SERVED_PDL); a decode "
+                        "launch (:pdl; sm90+) or not (:nopdl; default: ops.replay.served.SERVED_PDL); a decode "
                         "or verify written through to the checkpoint (served:through) or output-only "
-                        "(:nothrough; default: ops.replay.decode.serves_write_through for a decode, "
-                        "ops.replay.write_through.serves_write_through_verify for a verify, by batch); an "
+                        "(:nothrough; default: ops.replay.served.serves_write_through for a decode, "
+                        "ops.replay.served.serves_write_through_verify for a verify, by batch); an "
                         "output-only decode's cursors settled once a step (:stepcursor, served) or after each "
                         "layer's decode (:layercursor). The first "
                         "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")

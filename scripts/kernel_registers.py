@@ -66,13 +66,13 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
     (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on; both
-    with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.verify.SERVED_PDL` serves it);
+    with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.served.SERVED_PDL` serves it);
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, SERVED_PDL, replay_output_kernel,
-                                                    replay_step_kernel, replay_window_kernel, served_window_key_heads,
-                                                    served_window_warps)
+    from sglang_ssm_modes.ops.replay.served import SERVED_PDL, served_window_key_heads, served_window_warps
+    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
+                                                    replay_window_kernel)
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -107,8 +107,8 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
     """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
     a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
     activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (served for KDA)."""
-    from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR,
-                                                           replay_write_through_kernel)
+    from sglang_ssm_modes.ops.replay.served import WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR
+    from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
     is_kda = family == "kda"
     pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
@@ -144,7 +144,7 @@ def verify_window_resources(family: str, state_dtype: str, draft_tokens: int, tr
 def parse_output_tilings(parser, values: list[str]) -> list[tuple[str, tuple]]:
     """``--tilings`` values as ``(name, (block_v, num_warps, block_k, num_stages))``; a bad value is a
     ``parser.error`` naming the rule."""
-    from sglang_ssm_modes.ops.replay.verify import NARROW_TILING, WIDE_TILING
+    from sglang_ssm_modes.ops.replay.served import NARROW_TILING, WIDE_TILING
 
     out = []
     for value in values:
@@ -168,7 +168,7 @@ def parse_output_tilings(parser, values: list[str]) -> list[tuple[str, tuple]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tilings", nargs="+", default=["narrow", "wide"], metavar="narrow|wide|BVxWARPS[:kN][:sN]",
-                   help="output-kernel tilings: the served ones (ops.replay.verify.NARROW_TILING, WIDE_TILING) or "
+                   help="output-kernel tilings: the served ones (ops.replay.served.NARROW_TILING, WIDE_TILING) or "
                         "V columns x warps per program, K rows per loop step (:k64; default all of K) and "
                         "pipeline depth (:s3; default 2)")
     p.add_argument("--histories", type=int, nargs="+", default=[16])

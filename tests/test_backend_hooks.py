@@ -18,9 +18,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_ssm_modes.config import SSMModeConfig
 from sglang_ssm_modes.integration import backend_hooks
 from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
-from sglang_ssm_modes.ops.replay import decode as replay_decode_module
 from sglang_ssm_modes.ops.replay import replay_fold
-from sglang_ssm_modes.ops.replay.write_through import serves_write_through_verify
+from sglang_ssm_modes.ops.replay.served import serves_write_through, serves_write_through_verify
 from sglang_ssm_modes.pool.mode_pool import init_mode_mamba_pool
 from sglang_ssm_modes.reference.random_layer import random_gate_params
 from interpreter_shims import sglang_fla_on_cpu
@@ -203,7 +202,7 @@ def test_rounds_of_verify_and_commit_agree_with_native(family, tree, draft, stat
     accepted length 0..D, or any node of a tree) and a padding row: compact's whole pool (state and conv
     window) is native's bit for bit after every round; replay's canonical state stays within float
     tolerance after folds — bit for bit, and its outputs too, where its chain verify is served written through
-    (:func:`~sglang_ssm_modes.ops.replay.write_through.serves_write_through_verify` at 5 requests), and through
+    (:func:`~sglang_ssm_modes.ops.replay.served.serves_write_through_verify` at 5 requests), and through
     compact's path for a tree; ``output-only`` forces replay's output-only chain verify instead."""
     rounds, topk = 12, 2 if tree else 1
     gen = torch.Generator().manual_seed(7)
@@ -315,7 +314,7 @@ def _replay_decode_and_prefill(family, path, monkeypatch):
     1e-5, and a prefill leaves no history behind."""
     pools, layers, backends, slots, gen = native_and_replay_decoders(monkeypatch, family, seed=3)
     state_dtype = pools["replay"].mamba_pool.mamba_cache.temporal.dtype
-    assert replay_decode_module.serves_write_through(3, family == "kda", 8, state_dtype), "as served"
+    assert serves_write_through(3, family == "kda", 8, state_dtype), "as served"
     choose_decode_path(monkeypatch, path)
     native, replay = pools["native"].mamba_pool, pools["replay"].mamba_pool
     cursors = replay.replay_rings.count

@@ -15,11 +15,11 @@ from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_ne
 from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay import verify as replay_verify_module
-from sglang_ssm_modes.ops.replay.verify import (FOLD_FIRST_MIN_REQUESTS, NARROW_TILING, ONE_LAUNCH_MAX_TOKENS,
-                                                WIDE_DECODE_FROM, WIDE_TILING, WIDE_TILING_MIN_REQUESTS,
-                                                fold_order_kernel, output_tiling, replay_output_kernel, pdl_available,
-                                                replay_step_kernel, replay_window_kernel, served_launches,
-                                                served_window_key_heads)
+from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, NARROW_TILING, ONE_LAUNCH_MAX_TOKENS,
+                                                WIDE_DECODE_FROM, WIDE_TILING, WIDE_TILING_MIN_REQUESTS, output_tiling,
+                                                served_launches, served_window_key_heads)
+from sglang_ssm_modes.ops.replay.verify import (fold_order_kernel, pdl_available, replay_output_kernel,
+                                                replay_step_kernel, replay_window_kernel)
 from sglang_ssm_modes.reference import LinearAttnInputs, chain_verify, decode
 from sglang_ssm_modes.reference.random_layer import random_inputs
 

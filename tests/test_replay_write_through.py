@@ -14,9 +14,9 @@ from kernel_cases import (DEVICE, assert_same_bits, compiled_variants, flat_inpu
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
                                          replay_write_through)
 from sglang_ssm_modes.ops.replay import write_through as write_through_module
-from sglang_ssm_modes.ops.replay.decode import WRITE_THROUGH_BELOW, serves_write_through, write_through_max_requests
-from sglang_ssm_modes.ops.replay.write_through import (WRITE_THROUGH_BLOCK_V, replay_write_through_kernel,
-                                                       serves_write_through_verify)
+from sglang_ssm_modes.ops.replay.served import (WRITE_THROUGH_BELOW, WRITE_THROUGH_BLOCK_V, serves_write_through,
+                                                serves_write_through_verify, write_through_max_requests)
+from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.reference import LinearAttnInputs, replay_forward, write_through
 from sglang_ssm_modes.reference.random_layer import random_inputs
 

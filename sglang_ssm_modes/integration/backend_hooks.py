@@ -33,8 +33,7 @@ from ..ops.compact import FAST_VERIFY_TILE, compact_verify
 from ..ops.native import native_verify
 from ..ops.replay import (advance, clear_history, fold_into_checkpoints, replay_decode, replay_fold, replay_verify,
                           replay_write_through_verify)
-from ..ops.replay.decode import serves_write_through
-from ..ops.replay.write_through import serves_write_through_verify
+from ..ops.replay.served import serves_write_through, serves_write_through_verify
 from ..pool import ModeMambaPool
 
 

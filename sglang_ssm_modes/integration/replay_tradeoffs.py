@@ -14,9 +14,7 @@ import logging
 import torch
 
 from ..config import SSMModeConfig, dtype_name
-from ..ops.replay.decode import write_through_max_requests
-from ..ops.replay.verify import state_bytes
-from ..ops.replay.write_through import write_through_verify_below
+from ..ops.replay.served import state_bytes, write_through_max_requests, write_through_verify_below
 
 KEY_HEAD_SOURCE = "bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100"
 """Where GDN's output-only figures come from since its window launch runs per key head (both paths side by side
@@ -51,7 +49,7 @@ OUTPUT_ONLY_DECODE = {
                      "up to 1.00x; the write-through 0.88x)", True, DECODE_TILING_SOURCE),
 }
 """Plain decode per ``(family, history, state bytes)`` where it is served output-only (from
-``ops.replay.decode.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, whether it was slower than
+``ops.replay.served.WRITE_THROUGH_BELOW`` requests on): the measured ratio there, whether it was slower than
 native, and where it was measured."""
 WRITE_THROUGH = ("a write-through is SGLang's decode work in one launch (the state read and written, a float32 "
                  "state's bits native's) plus the fold of any pending history")
@@ -99,7 +97,7 @@ OUTPUT_ONLY_VERIFY = {
     ("kda", 32, 2): ("0.98-1.27x native from 32 to 256 requests", VERIFY_SOURCE),
     ("gdn", 64, 2): ("1.18-1.27x native at 128-256 requests (D = 4)", KEY_HEAD_SOURCE),
 }
-"""A speculative round served output-only (from ``ops.replay.write_through.WRITE_THROUGH_VERIFY_BELOW`` requests
+"""A speculative round served output-only (from ``ops.replay.served.WRITE_THROUGH_VERIFY_BELOW`` requests
 on) per ``(family, history, state bytes)``: the measured ratio there and where it was measured (KDA's at D = 2
 and 4, GDN's since the key-head window at D = 4)."""
 

@@ -11,7 +11,7 @@ gate broadcast) and normalised ``k``, scaled ``q``::
 Two launches split the work by the axis it runs over (a small GDN window runs in one, below):
 
 * :func:`replay_window_kernel` (one program per request and value head; served for GDN per request and key
-  head, :func:`served_window_key_heads`) does everything that runs
+  head, :func:`~.served.served_window_key_heads`) does everything that runs
   over K: the window's gates, normalised keys and queries, the decayed projections ``e^{G_t} * k_t``,
   ``e^{G_t} * q_t``, and the scalar coefficients ``(k_j * e^{G_t - G_j}) . k_t`` (and ``. q_t``) of
   every history record and earlier window token — reading the history's keys once per head — and
@@ -26,7 +26,7 @@ Two launches split the work by the axis it runs over (a small GDN window runs in
 :func:`replay_step_kernel` does both in one launch, every output program computing the window's K-side work
 for itself tile by tile: no launch gap and no scratch, but the history's keys read once per column tile and
 programs twice the registers — served where launches, not bytes, bound the time and the history is short
-(:data:`ONE_LAUNCH_MAX_TOKENS`, :data:`ONE_LAUNCH_MAX_HISTORY`).
+(:data:`~.served.ONE_LAUNCH_MAX_TOKENS`, :data:`~.served.ONE_LAUNCH_MAX_HISTORY`).
 
 In two launches the checkpoint, by far the largest read, is read once, by programs no larger than native's, without the
 history's ``[L, K]`` key block beside it in registers. Outputs agree with native to float32 rounding
@@ -44,6 +44,8 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
                                store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
+from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_launches, served_window_key_heads,
+                     served_window_warps)
 
 
 @triton.jit
@@ -616,154 +618,6 @@ def output_token(t, live, s0k, s0q, b_chk, b_chq, b_cwk, b_cwq, b_kq, b_beta, b_
     return tl.where(o_t[:, None] == t, b_u[None, :], b_uw)
 
 
-def served_window_warps(history: int, tokens: int) -> int:
-    """Warps of a served window program (one request and value head: the history's ``[L, K]`` key block and
-    the window's ``[TP, K]`` blocks) for a history of ``history`` records and ``tokens`` tokens per request:
-    1 up to L = 16, and at L = 32 for a window of more than one token (every reduction over K inside one
-    warp: no cross-warp round trips in the token chain); 2 at L = 32 for one token; 4 at L = 64 (fewer warps
-    hold the ``[64, K]`` block in too few threads). On the H200 (bench/results/replay/windowwarps_20261204,
-    float32, all three side by side) 1 warp against 4 at L = 16, batch 128: GDN decode 118.0 against 122.1
-    µs, D = 4 251.0 against 279.4; KDA decode 136.6 against 143.0, D = 4 290.6 against 306.6; at L = 32,
-    D = 4, batch 128: GDN 283.1 against 306.6, KDA 313.2 against 345.5; at L = 64 1 warp was up to 1.4x
-    slower (GDN D = 4 batch 128: 497.4 against 365.5)."""
-    if history <= 16:
-        return 1
-    if history <= 32:
-        return 1 if tokens > 1 else 2
-    return 4
-
-
-FOLD_FIRST_MIN_REQUESTS = 32
-"""From this many requests on, the output launch runs in fold-first order (:func:`fold_order_program`). On the
-H200 (bench/results/replay/foldfirst_20261203, the order then a launch of its own) the order launch cost 2-3 µs:
-below batch 8 that is all it did, at 8 and 16 it was a wash (within 3 µs either way), from 32 on fold-first was
-as fast or faster everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding
-programs would otherwise be the launch's tail. Since 986b1f6 the order is one more program of the window launch
-(no launch of its own; not yet timed)."""
-NARROW_TILING = (16, 1, None, 2)
-"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
-requests (a decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one warp, the whole of K in one step
-— more, smaller programs for a launch too small to fill the GPU with native-sized ones, and for a decode over a
-long history at every batch measured."""
-WIDE_TILING = (32, 1, 64, 3)
-"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on (a decode's: from
-:data:`WIDE_DECODE_FROM`): 32 columns on one warp
-(SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
-WIDE_TILING_MIN_REQUESTS = 64
-"""Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
-:data:`WIDE_DECODE_FROM`). On the H200 (bench/results/replay/
-kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
-on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
-1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
-Narrow is faster at 32 requests and fewer (decode batch 32 1.07 / 1.06x, D = 4 batch 16 1.11 / 1.13x)
-except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical launches measured 7 %
-apart at batch 16)."""
-
-
-WIDE_DECODE_FROM = {
-    ("gdn", 16, 4): 64, ("kda", 16, 4): 64, ("gdn", 32, 4): 112, ("kda", 32, 4): None,
-    ("gdn", 64, 4): None, ("kda", 64, 4): None,
-    ("gdn", 16, 2): 80, ("kda", 16, 2): 80, ("gdn", 32, 2): 112, ("kda", 32, 2): 192,
-    ("gdn", 64, 2): None, ("kda", 64, 2): None,
-}
-"""Per ``(family, history, state bytes)``: the requests per launch from which a one-token output launch (an
-output-only decode) runs :data:`WIDE_TILING` (None: narrow at every batch). Both tilings output-only side by side
-on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 64-256, output launch µs narrow /
-wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.8 µs at 64 requests,
-95.3 / 97.5 at 96, 109.3 / 104.8 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
-at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
-wide from 64 as for a verify (GDN 60.5 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
-narrow at 64, 60.6 / 57.8 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
-L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
-takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
-with a float32 state GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's
-wide 168 / 192 / 220 at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none
-spill). A verify of D = 2 was not measured at L = 32 / 64: it takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4."""
-
-
-def state_bytes(state_dtype: torch.dtype) -> int:
-    """The state-bytes column of :data:`WIDE_DECODE_FROM`, :data:`~.decode.WRITE_THROUGH_BELOW` and
-    :data:`~.write_through.WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or
-    2 (bfloat16, float16)."""
-    return 4 if state_dtype.itemsize >= 4 else 2
-
-
-MEASURED_HISTORIES = (16, 32, 64)
-"""The histories the served bounds were measured at (a shorter history takes L = 16's)."""
-
-
-def measured_key(is_kda: bool, history: int, state_dtype: torch.dtype) -> tuple[str, int, int]:
-    """The ``(family, history, state bytes)`` row of the measured bound tables (:data:`WIDE_DECODE_FROM`,
-    :data:`~.decode.WRITE_THROUGH_BELOW`, :data:`~.write_through.WRITE_THROUGH_VERIFY_BELOW`) a replay ring of
-    ``history`` records and a ``state_dtype`` pool is served by; a history between or beyond the measured ones
-    is a ``ValueError`` (the server offers ``--ssm-replay-history`` 8, 16, 32 or 64 only)."""
-    measured = max(history, MEASURED_HISTORIES[0])
-    if measured not in MEASURED_HISTORIES:
-        raise ValueError(f"replay history {history}: the served paths were measured at L <= 16, 32 and 64 only; "
-                         "pass one of 8, 16, 32, 64 or choose the tiling and path explicitly")
-    return ("kda" if is_kda else "gdn", measured, state_bytes(state_dtype))
-
-
-ONE_LAUNCH_MAX_TOKENS = 8
-"""A GDN window of at most this many tokens (requests x T) over a history of at most :data:`ONE_LAUNCH_MAX_HISTORY`
-records runs in one launch (:func:`replay_step_kernel`), larger windows and KDA in two. On the H200
-(bench/results/replay/onelaunch_20261203, float32, L = 16, both side by side in each of two runs) one launch is
-faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.6 against 24.9-25.7 µs) and for a
-4-token verify of one request (18.0-18.3 against 20.6-21.1 µs), slower from 32 tokens on (decode batch 32:
-51.5-52.9 against 47.0-47.8 µs; D = 4 batch 8: 44.5-45.0 against 40.4-40.5 µs) — its programs carry the window's
-work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 % either way at decode, slower at
-D = 4): its per-channel gates make every program rebuild the history's decays."""
-ONE_LAUNCH_MAX_HISTORY = 16
-"""The longest history a one-launch window of up to :data:`ONE_LAUNCH_MAX_TOKENS` tokens is served for; one token
-is served in one launch up to :data:`ONE_TOKEN_MAX_HISTORY`. On the H200 (bench/results/replay/
-onelaunch_bound_20261204, GDN, both side by side in one run, commit b29f6ef; the one-launch programs spill 10-158
-bytes at L = 32 and 296-494 at L = 64): at L = 32 one launch is faster for a decode of one request (float32 10.4
-against 12.3 µs, bfloat16 9.1 against 11.9) and slower for 8 (float32 24.8 against 21.9; bfloat16 21.1 against
-23.1 — a mixed result left to two launches), for a 4-token verify of one request (27.2 against 24.8) and of 8;
-at L = 64 it is slower everywhere (decode batch 1 18.4 against 14.2, batch 8 55.2 against 26.6; D = 4 batch 8
-247.9 against 45.3)."""
-ONE_TOKEN_MAX_HISTORY = 32
-"""The longest history a one-token GDN window (output-only decode of one request) runs in one launch for. A
-served plain decode of so few requests writes through instead (:mod:`.decode`); this is the output-only path's
-choice (``replay_decode(write_through=False)``, the drift study)."""
-
-
-def served_launches(tokens: int, is_kda: bool, history: int) -> int:
-    """Launches of a served verify of ``tokens`` tokens in all (requests x T) over a history of ``history``
-    records: 1 for a GDN window of at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens and a history of at most
-    :data:`ONE_LAUNCH_MAX_HISTORY`, or of one token over at most :data:`ONE_TOKEN_MAX_HISTORY`; else 2
-    (window, then output)."""
-    if is_kda:
-        return 2
-    short = tokens <= ONE_LAUNCH_MAX_TOKENS and history <= ONE_LAUNCH_MAX_HISTORY
-    return 1 if short or (tokens == 1 and history <= ONE_TOKEN_MAX_HISTORY) else 2
-
-
-def served_window_key_heads(is_kda: bool, launches: int) -> bool:
-    """Whether a served window launch runs one program per request and key head (:func:`window_key_head_program`)
-    rather than per value head: for every GDN verify of two launches (KDA's gates are per channel and value head;
-    one launch has no window launch). On an H100 (bench/results/replay/keyhead_20261206, commit 0689fd3, both side
-    by side in one run, Qwen3-Next heads: 2 value heads per key head) it was faster at every case measured — float32
-    decode at L = 16 1.03-1.04x (batch 128: window 12.8 -> 8.3 µs, 141.4 -> 136.7 µs a step), at L = 32 1.05-1.07x;
-    D = 4 1.03-1.10x at L = 16, 1.10-1.12x at L = 32 (batch 256: window 137.2 -> 77.0 µs); bfloat16 1.01-1.13x —
-    the key head's history keys read and dotted once instead of once per value head, and half the programs (one
-    wave where the per-value-head launch needed two)."""
-    return not is_kda and launches == 2
-
-
-SERVED_PDL = False
-"""Whether a served two-launch verify overlaps its output launch with its window launch (programmatic dependent
-launch, ``replay_verify(pdl=True)``). Off: on the H200 (bench/results/replay/pdl_20261205, commit 4a2c657, both
-side by side, D = 4, L = 16, float32) it changed nothing — GDN 136.8 / 136.7 µs at batch 64, 474.6 / 474.9 at
-256; KDA 153.7 / 153.6, 556.2 / 557.7 — CUDA-graph replay already hides the launch gap, and from 32 requests
-(fold-first order) the output programs wait for the window launch before their first read. Bit for bit the
-same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``). Asked
-again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, float32, side by side): at
-L = 16 0.977-0.999 of served's µs for decode (under 1 % from 128 requests) and 0.989-1.005 for D = 4; at L = 32
-and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in two runs), KDA D = 4 at L = 32
-1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
-
-
 def pdl_available(device: torch.device | str) -> bool:
     """Whether launches on ``device`` can overlap by programmatic dependent launch (CUDA, compute capability
     9.0 or newer, not the Triton interpreter)."""
@@ -771,20 +625,6 @@ def pdl_available(device: torch.device | str) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
-                  state_dtype: torch.dtype) -> tuple[int, int, int | None, int]:
-    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests of
-    ``tokens`` tokens each over a ``history``-record ring and a ``state_dtype`` checkpoint: :data:`WIDE_TILING`
-    from :data:`WIDE_DECODE_FROM` requests on for one token, from :data:`WIDE_TILING_MIN_REQUESTS` for more, else
-    :data:`NARROW_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`, at most three compiled
-    variants of the output kernel per window length)."""
-    if tokens == 1:
-        wide_from = WIDE_DECODE_FROM[measured_key(is_kda, history, state_dtype)]
-    else:
-        wide_from = WIDE_TILING_MIN_REQUESTS
-    return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
 
 
 FOLD_WARP_COLUMNS = 16
@@ -807,29 +647,29 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
     ``T_all * HV * (2K + 2L + 2TP + 1)`` floats; 1: :func:`replay_step_kernel` alone (default:
-    :func:`served_launches`).
+    :func:`~.served.served_launches`).
 
     ``fused_fold`` (default): requests whose window would overflow the history (``count + T > L``)
     are folded inside the output launch; the caller then settles the cursor with
     ``advance(ring, record_indices, accepted, window=T)`` — whatever the batch's fold pattern. Otherwise
     the caller folds first (:func:`~.ring.fold_needed`, :func:`~.fold.fold_into_checkpoints`).
-    ``fold_first`` (with ``fused_fold``; default: from :data:`FOLD_FIRST_MIN_REQUESTS` requests on): the
+    ``fold_first`` (with ``fused_fold``; default: from :data:`~.served.FOLD_FIRST_MIN_REQUESTS` requests on): the
     output launch runs the folding requests' programs first (in two launches the window launch's
     :func:`fold_order_program`; in one, :func:`fold_order_kernel` before it). ``pdl`` (two launches, where
-    :func:`pdl_available`; default :data:`SERVED_PDL`): the output launch is a programmatic dependent of the
+    :func:`pdl_available`; default :data:`~.served.SERVED_PDL`): the output launch is a programmatic dependent of the
     window launch and starts while it runs (:func:`replay_output_kernel`).
     ``round_beta`` rounds sigmoid(b) to b's dtype, as SGLang 0.5.14's GDN packed decode kernel does (so a
     replay decode, once folded, is what that kernel leaves). ``block_v`` (a power of two: V columns per
     program) and ``num_warps`` tile the output launch, ``block_k`` (a power of two dividing K: checkpoint rows
-    per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None: :func:`output_tiling`'s
-    choice for the launch; a history the bounds were not measured at needs all four), ``window_warps`` tiles the window launch (default:
-    :func:`served_window_warps`); ``dot`` projects the
-    checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and ``block_k >= 16``)
-    or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request and key head
-    (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value heads)
-    or one per value head (default: :func:`served_window_key_heads`). Checkpoints and every record but ``u``
-    are the same bits for every choice;
-    outputs and ``u`` agree to float32 rounding. Returns ``o`` ``[1, T_all, HV, V]``.
+    per loop step) and ``num_stages`` pipeline its checkpoint reads (each left None:
+    :func:`~.served.output_tiling`'s choice for the launch; a history the bounds were not measured at needs all
+    four), ``window_warps`` tiles the window launch (default: :func:`~.served.served_window_warps`); ``dot``
+    projects the checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and
+    ``block_k >= 16``) or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request
+    and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
+    heads) or one per value head (default: :func:`~.served.served_window_key_heads`). Checkpoints and every record
+    but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o``
+    ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]

@@ -1,8 +1,9 @@
 """Replay-mode write-through: a request's pending history folded into its checkpoint in the same launch that
 runs its new tokens, in SGLang's own op order (its generic ``fused_sigmoid_gating_delta_rule_update``, the tile
 held ``[BV, K]`` as its packed CUDA kernels hold it, on one warp; 16 value columns a program where SGLang takes
-32, :data:`WRITE_THROUGH_BLOCK_V`), the checkpoint written back and the history emptied — native's bytes and
-native's one launch, for batches where launches and latency, not bytes, bound the step:
+32, :data:`~.served.WRITE_THROUGH_BLOCK_V`), the checkpoint written back and the history emptied — native's bytes
+and native's one launch, for batches where launches and latency, not bytes, bound the step (when:
+:mod:`.served`):
 
 * **decode** (:func:`replay_write_through`): the token applied to the checkpoint too, as SGLang's decode applies
   it (with a float32 state its bits on the GPU, generic and packed kernel alike);
@@ -25,7 +26,8 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, delta_rule_update, delta_rule_update_u, l2normalize, store_key_record,
                                token_inputs)
 from .ring import ReplayRing, flag_nonfinite
-from .verify import measured_key, window_cursor
+from .served import WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR, WRITE_THROUGH_VERIFY_PREFETCH
+from .verify import window_cursor
 
 
 @triton.jit
@@ -151,27 +153,6 @@ def replay_write_through_kernel(
             tl.store(r_folds + r_safe, tl.load(r_folds + r_safe) + 1)
 
 
-WRITE_THROUGH_BLOCK_V = 16
-"""Value columns per write-through program, on one warp and three stages as SGLang 0.5.14's decode, which takes
-32: a 32-column program holds 168-254 registers a thread with the fold's loop beside the token (SGLang's
-packed decode, without one, fewer), too few warps a multiprocessor to cover the state's loads; 16 columns hold
-106-128. Side by side on an H100 (bench/results/replay/writethrough_tile_20261205, commit bd811dc, speedup
-over SGLang's packed decode at batch 1 / 8 / 32 / 64 / 128 / 256, L = 16, empty histories): bfloat16 state
-GDN 1.01 / 0.99 / 0.92 / 0.88 / 0.87 / 0.88x against 32 columns' 0.87 / 0.93 / 0.86 / 0.83 / 0.82 / 0.84x,
-KDA 1.02 / 0.99 / 0.92 / 0.89 / 0.87 / 0.86x against 0.86 / 0.93 / 0.82 / 0.78 / 0.74 / 0.73x; float32
-GDN 1.19 / 0.96 / 0.99 / 1.00 / 1.00 / 1.00x against 0.79 / 0.83 / 0.95 / 0.98 / 0.99 / 0.99x, KDA 0.96-1.11x
-either way. The committed state is the same bits whatever the columns (each column's sums over K are
-unchanged; tested on the GPU)."""
-
-WRITE_THROUGH_V_MAJOR = True
-"""Whether a served write-through holds its tile ``[BV, K]`` (SGLang's packed decode) or ``[K, BV]`` (its
-generic decode): the bits are the same on the GPU (float32 state equal to both kernels', tested); ``[BV, K]``
-was as fast or faster in the same H100 runs (bfloat16 KDA at 128 requests 0.87x native against 0.83x, 16
-columns; 0.76x against 0.75x, 32 columns, commit 713c0de)."""
-
-
-
-
 def _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, draft, is_kda,
             beta_activated, scale, round_beta, v_major, block_v, num_warps, num_stages, prefetch=False) -> torch.Tensor:
     """One :func:`replay_write_through_kernel` launch (``draft``: a verify window, else a decode), the tile as
@@ -205,8 +186,9 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
     :func:`~.verify.replay_verify` with T = 1): each real request's history folded, its token applied to its
     checkpoint, the checkpoint written and the cursor emptied (where it was not already) — one launch, no
     host sync, no allocation but ``o``. The tile, as served unless given: ``v_major``
-    (:data:`WRITE_THROUGH_V_MAJOR`), ``block_v`` value columns (:data:`WRITE_THROUGH_BLOCK_V`), ``num_warps``,
-    ``num_stages`` (SGLang's decode launch's). Returns ``o`` ``[1, N, HV, V]``."""
+    (:data:`~.served.WRITE_THROUGH_V_MAJOR`), ``block_v`` value columns
+    (:data:`~.served.WRITE_THROUGH_BLOCK_V`), ``num_warps``, ``num_stages`` (SGLang's decode launch's). Returns
+    ``o`` ``[1, N, HV, V]``."""
     t_all, n = k.shape[1], state_indices.shape[0]
     if t_all != n:
         raise ValueError(f"a write-through decode takes one token per request: {t_all} tokens for {n} requests")
@@ -227,8 +209,8 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
     sync, no allocation but ``o``. The acceptance that follows is replay's:
     ``advance(ring, record_indices, accepted, window=T)`` (the cursor is empty, no fold to settle). Tile
     keywords as :func:`replay_write_through`; ``prefetch``: each draft token's inputs loaded one step ahead (the
-    kernel's ``PREFETCH``; the same bits), None as served (:data:`WRITE_THROUGH_VERIFY_PREFETCH`). Returns ``o``
-    ``[1, T_all, HV, V]``."""
+    kernel's ``PREFETCH``; the same bits), None as served (:data:`~.served.WRITE_THROUGH_VERIFY_PREFETCH`).
+    Returns ``o`` ``[1, T_all, HV, V]``."""
     if prefetch is None:
         prefetch = WRITE_THROUGH_VERIFY_PREFETCH["kda" if is_kda else "gdn"]
     t_all, n = k.shape[1], state_indices.shape[0]
@@ -239,48 +221,3 @@ def replay_write_through_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: t
                          "L >= D needed")
     return _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, record_indices, True, is_kda,
                    beta_activated, scale, False, v_major, block_v, num_warps, num_stages, prefetch)
-
-
-WRITE_THROUGH_VERIFY_PREFETCH = {"gdn": False, "kda": True}
-"""Whether a served write-through verify loads each draft token's inputs one step ahead (the first while the fold
-runs), per family: where that was faster in the one run that timed both side by side (H100,
-bench/results/prefetch_20261206, commit 4798d3d, L = 16, D = 4, a round at batch 1 / 16 / 256): KDA bfloat16
-1.11 / 1.08 / 1.23x (0.86x native at 256 becomes 1.06x), float32 1.02 / 1.04 / 1.03x; GDN 0.96-1.00x (not
-taken). Registers a thread there (sm_90): KDA 237 -> 239 (bfloat16), 228 -> 239 (float32); GDN 211 -> 229."""
-
-WRITE_THROUGH_VERIFY_BELOW = {
-    ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
-    ("gdn", 32, 4): 64, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
-    ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
-}
-"""Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
-(:func:`~.verify.replay_verify`; None: never — write-through at every batch). Measured side by side on an H100
-(bench/results/replay/writethrough_verify_20261205: L = 16 and 64 at commit 08d2506, L = 32 at 7f7be68; speedup
-of a speculative round, verify + acceptance, over SGLang's verify + scatter, write-through / output-only, D = 2
-and 4, the same bounds for both). float32: L = 16 GDN 1.14-1.55 / 0.89-1.16x below 32 requests, 1.63-1.71 /
-2.04-2.67x from 32; KDA 1.51-1.77 / 0.84-1.16x below 32, 1.58-1.72 / 1.94-2.40x from 32; L = 32 GDN 1.60-1.66 /
-1.47-1.70x at 32, 1.66-1.71 / 2.17-2.42x from 64; KDA 1.54-1.70 / 1.34-1.48x at 32, 1.59-1.63 / 1.61-2.16x from
-64; L = 64 GDN 1.59-1.69 / 1.39-1.53x at 32-64, 1.69-1.73 / 1.84-1.99x at 128-256; KDA write-through ahead
-everywhere (1.56-1.91 / 0.74-1.45x). bfloat16: L = 16 write-through ahead below 32 (GDN 1.00-1.15 / 0.72-0.91x,
-KDA 0.89-1.11 / 0.62-0.76x), output-only from 32 (GDN 1.40-1.93x, KDA 1.24-1.71x against 0.86-1.21x); L = 32
-likewise (output-only from 32: GDN 1.14-1.53x, KDA 0.98-1.27x against 0.85-1.20x); L = 64 write-through ahead
-or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). GDN's window launch per key head
-(:func:`~.verify.served_window_key_heads`; bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100,
-D = 4, both side by side, batch 16 / 32 / 64 / 128 / 256) moved one bound: bfloat16 L = 64, write-through
-1.13-1.17x, output-only 0.84, 0.90, 1.06, 1.18, 1.27x (output-only from 128; 64 a tie). The others held: float32
-L = 16 1.61-1.71 / 1.62 (a tie at 16), 2.16-2.90x; L = 32 1.60-1.71 / 1.20, 1.46 then 2.39-2.73x from 64; L = 64
-1.58-1.72 / 1.33-1.42x below 64, 1.67 at 64 (a tie), 2.06-2.16x from 128; bfloat16 L = 16 1.10-1.14 / 1.15 (a tie
-at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. A history of L < 16 takes L = 16's
-bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
-
-
-def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
-    """The request count from which a served chain verify is output-only (:data:`WRITE_THROUGH_VERIFY_BELOW`; a
-    history of L < 16 takes L = 16's row, a state of 2-byte elements the bfloat16 one), None for never."""
-    return WRITE_THROUGH_VERIFY_BELOW[measured_key(is_kda, history, state_dtype)]
-
-
-def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
-    """Whether a served chain verify of ``requests`` requests writes through (:func:`write_through_verify_below`)."""
-    below = write_through_verify_below(is_kda, history, state_dtype)
-    return below is None or requests < below

@@ -1,0 +1,299 @@
+"""Which path, launch count, tiling and order a replay step is served with, and the measurements behind each
+choice: one place for the policy the kernels (:mod:`.verify`, :mod:`.write_through`) and their callers
+(:mod:`.decode`, the SGLang glue) follow.
+
+* the tables' key: :func:`measured_key` — ``(family, history, state bytes)``, a history below 16 as 16;
+* plain decode: written through below :data:`WRITE_THROUGH_BELOW` requests, output-only from there;
+* chain verify: written through below :data:`WRITE_THROUGH_VERIFY_BELOW`, output-only from there;
+* an output-only launch: one launch or two (:func:`served_launches`), the window launch per key head
+  (:func:`served_window_key_heads`) and its warps (:func:`served_window_warps`), the output launch's order
+  (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling (:func:`output_tiling`), no programmatic dependent launch
+  (:data:`SERVED_PDL`);
+* a write-through's tile (:data:`WRITE_THROUGH_BLOCK_V`, :data:`WRITE_THROUGH_V_MAJOR`,
+  :data:`WRITE_THROUGH_VERIFY_PREFETCH`).
+
+Every figure names the run it comes from (``bench/results/…``), each choice's alternatives timed side by side
+where it was measured, on the card it names (what was not timed says so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def state_bytes(state_dtype: torch.dtype) -> int:
+    """The state-bytes column of :data:`WIDE_DECODE_FROM`, :data:`WRITE_THROUGH_BELOW` and
+    :data:`WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or
+    2 (bfloat16, float16)."""
+    return 4 if state_dtype.itemsize >= 4 else 2
+
+
+MEASURED_HISTORIES = (16, 32, 64)
+"""The histories the served bounds were measured at (a shorter history takes L = 16's)."""
+
+
+def measured_key(is_kda: bool, history: int, state_dtype: torch.dtype) -> tuple[str, int, int]:
+    """The ``(family, history, state bytes)`` row of the measured bound tables (:data:`WIDE_DECODE_FROM`,
+    :data:`WRITE_THROUGH_BELOW`, :data:`WRITE_THROUGH_VERIFY_BELOW`) a replay ring of
+    ``history`` records and a ``state_dtype`` pool is served by; a history between or beyond the measured ones
+    is a ``ValueError`` (the server offers ``--ssm-replay-history`` 8, 16, 32 or 64 only)."""
+    measured = max(history, MEASURED_HISTORIES[0])
+    if measured not in MEASURED_HISTORIES:
+        raise ValueError(f"replay history {history}: the served paths were measured at L <= 16, 32 and 64 only; "
+                         "pass one of 8, 16, 32, 64 or choose the tiling and path explicitly")
+    return ("kda" if is_kda else "gdn", measured, state_bytes(state_dtype))
+
+
+WRITE_THROUGH_BELOW = {
+    ("gdn", 16, 4): 32, ("kda", 16, 4): 40, ("gdn", 32, 4): 40, ("kda", 32, 4): 64,
+    ("gdn", 64, 4): 112, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 80, ("kda", 16, 2): 128, ("gdn", 32, 2): 112, ("kda", 32, 2): None,
+    ("gdn", 64, 2): None, ("kda", 64, 2): None,
+}
+"""Per ``(family, history, state bytes)``: the request count from which output-only decode serves (None:
+never — write-through at every batch). Since a decode's output launch keeps the narrow tile at long histories
+(:data:`WIDE_DECODE_FROM`), three bounds moved, both paths side by side on an H100 (bench/results/replay/
+decode_tiling_20261206, commit 7d73792; ratios against SGLang's decode, write-through / output-only): float32 GDN
+L = 64 1.01 / 0.92x at 80 requests, 1.00 / 1.01x at 96 (a tie), 1.00 / 1.08x at 112, output-only 1.16-1.18x at
+128 where the wide tile gave 1.05-1.07x (was 128); KDA L = 32 0.99 / 1.04x at 64, 0.97-1.00 / 1.00-1.03x from 80 to
+256 (one output-only step of 0.95x at 128 whose launches add up to 1.06x; was never; at 56 0.99 / 0.98x,
+thresholds_20261206); bfloat16 GDN L = 32 (wide tile) 0.89 / 0.88x at 96,
+0.88 / 0.96x at 112 (was 128). Since the cursors settle once a step (3bfe099), the bounds between the
+earlier measured batches, both paths side by side on an H100 (bench/results/replay/thresholds_20261206; ratios
+against SGLang's decode, write-through / output-only): float32 GDN L = 32 0.99 / 0.99x at 32 requests, 1.00 /
+1.12x at 40, 1.01 / 1.24x at 48; KDA L = 16 1.00 / 1.01x at 32, 0.99 / 1.03x at 40, 0.99 / 1.05x at 48 (at L = 32
+output-only 0.79-0.98x to 56: then still write-through); bfloat16 GDN L = 16 0.88 / 0.89x at 72, 0.89 / 0.95x at
+80, 0.88 / 1.01x at 88, 0.89 / 1.07x at 96, 0.88 / 1.13x at 112 (at L = 32 0.89 / 0.88x at 96: then still 128; KDA
+L = 16 0.87 / 0.83x at 96: still 128). Before that, GDN's rows since its window launch runs per key head
+(:func:`served_window_key_heads`), both paths side by side on an H100 (bench/results/replay/
+keyhead_bounds_20261206, commit 4a280d3; ratios against SGLang's decode, write-through / output-only, batch 16 /
+32 / 64 / 128 / 256): float32 L = 16 1.00 / 0.67, 1.06, 1.36, 1.36, 1.38x; L = 32 1.00 / 0.73, 0.96, 1.02,
+1.34, 1.32x; L = 64 1.00 / 0.63, 0.70, 0.71, 1.04, 1.13x; bfloat16 (write-through 0.87-0.98x) L = 16 output-only
+0.45, 0.75, 0.81, 1.11, 1.05x; L = 32 0.43, 0.51, 0.70, 0.97, 0.97x; L = 64 0.46-0.75x. KDA's rows (and GDN's
+before) measured side by side on the H200 (bench/results/replay/writethrough_20261205, commit a6a4a2a):
+float32 GDN L = 16 0.90-0.92 / 0.94-0.95x at 32 requests (a tie), 0.94-0.96 / 1.17-1.21x at 64; KDA L = 16
+0.94-0.96 / 0.89-0.90x at 32, 0.96 / 1.13-1.15x at 64; GDN L = 32 0.97 / 0.87x at 64, 0.97 / 1.12x at
+128; KDA L = 32 and both at L = 64: output-only slower at every batch (0.43-0.86x against 0.84-1.22x).
+bfloat16 at L = 16: GDN 0.77-0.78 / 0.69x at 64, 0.74-0.75 / 0.91x at 128; KDA 0.73-0.74 / 0.70x at 64,
+0.69 / 0.76x at 128; at L = 64 output-only 0.26-0.54x (at L = 32, from commit 34d5527: output-only 0.74x
+GDN at 128 requests against write-through's 0.74-0.75x, KDA slower than at L = 16). A history of L < 16 takes
+L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
+
+
+def write_through_max_requests(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
+    """The most requests a served plain decode writes through (:data:`WRITE_THROUGH_BELOW`), None for every
+    batch."""
+    below = WRITE_THROUGH_BELOW[measured_key(is_kda, history, state_dtype)]
+    return None if below is None else below - 1
+
+
+def serves_write_through(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
+    """Whether a served plain decode of ``requests`` requests writes through
+    (:func:`write_through_max_requests`)."""
+    most = write_through_max_requests(is_kda, history, state_dtype)
+    return most is None or requests <= most
+
+
+WRITE_THROUGH_VERIFY_BELOW = {
+    ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
+    ("gdn", 32, 4): 64, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
+    ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
+}
+"""Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
+(:func:`~.verify.replay_verify`; None: never — write-through at every batch). Measured side by side on an H100
+(bench/results/replay/writethrough_verify_20261205: L = 16 and 64 at commit 08d2506, L = 32 at 7f7be68; speedup
+of a speculative round, verify + acceptance, over SGLang's verify + scatter, write-through / output-only, D = 2
+and 4, the same bounds for both). float32: L = 16 GDN 1.14-1.55 / 0.89-1.16x below 32 requests, 1.63-1.71 /
+2.04-2.67x from 32; KDA 1.51-1.77 / 0.84-1.16x below 32, 1.58-1.72 / 1.94-2.40x from 32; L = 32 GDN 1.60-1.66 /
+1.47-1.70x at 32, 1.66-1.71 / 2.17-2.42x from 64; KDA 1.54-1.70 / 1.34-1.48x at 32, 1.59-1.63 / 1.61-2.16x from
+64; L = 64 GDN 1.59-1.69 / 1.39-1.53x at 32-64, 1.69-1.73 / 1.84-1.99x at 128-256; KDA write-through ahead
+everywhere (1.56-1.91 / 0.74-1.45x). bfloat16: L = 16 write-through ahead below 32 (GDN 1.00-1.15 / 0.72-0.91x,
+KDA 0.89-1.11 / 0.62-0.76x), output-only from 32 (GDN 1.40-1.93x, KDA 1.24-1.71x against 0.86-1.21x); L = 32
+likewise (output-only from 32: GDN 1.14-1.53x, KDA 0.98-1.27x against 0.85-1.20x); L = 64 write-through ahead
+or tied everywhere (GDN 1.01-1.20 / 0.62-1.20x, KDA 0.86-1.13 / 0.48-0.84x). GDN's window launch per key head
+(:func:`served_window_key_heads`; bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100,
+D = 4, both side by side, batch 16 / 32 / 64 / 128 / 256) moved one bound: bfloat16 L = 64, write-through
+1.13-1.17x, output-only 0.84, 0.90, 1.06, 1.18, 1.27x (output-only from 128; 64 a tie). The others held: float32
+L = 16 1.61-1.71 / 1.62 (a tie at 16), 2.16-2.90x; L = 32 1.60-1.71 / 1.20, 1.46 then 2.39-2.73x from 64; L = 64
+1.58-1.72 / 1.33-1.42x below 64, 1.67 at 64 (a tie), 2.06-2.16x from 128; bfloat16 L = 16 1.10-1.14 / 1.15 (a tie
+at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. A history of L < 16 takes L = 16's
+bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
+
+
+def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
+    """The request count from which a served chain verify is output-only (:data:`WRITE_THROUGH_VERIFY_BELOW`; a
+    history of L < 16 takes L = 16's row, a state of 2-byte elements the bfloat16 one), None for never."""
+    return WRITE_THROUGH_VERIFY_BELOW[measured_key(is_kda, history, state_dtype)]
+
+
+def serves_write_through_verify(requests: int, is_kda: bool, history: int, state_dtype: torch.dtype) -> bool:
+    """Whether a served chain verify of ``requests`` requests writes through (:func:`write_through_verify_below`)."""
+    below = write_through_verify_below(is_kda, history, state_dtype)
+    return below is None or requests < below
+
+
+ONE_LAUNCH_MAX_TOKENS = 8
+"""A GDN window of at most this many tokens (requests x T) over a history of at most :data:`ONE_LAUNCH_MAX_HISTORY`
+records runs in one launch (:func:`~.verify.replay_step_kernel`), larger windows and KDA in two. On the H200
+(bench/results/replay/onelaunch_20261203, float32, L = 16, both side by side in each of two runs) one launch is
+faster for GDN decode at batch 1 (8.8-8.9 against 11.5-12.3 µs) and 8 (20.8-21.6 against 24.9-25.7 µs) and for a
+4-token verify of one request (18.0-18.3 against 20.6-21.1 µs), slower from 32 tokens on (decode batch 32:
+51.5-52.9 against 47.0-47.8 µs; D = 4 batch 8: 44.5-45.0 against 40.4-40.5 µs) — its programs carry the window's
+work and need 210-255 registers. KDA gains nothing at batch 1 or 8 (within 3 % either way at decode, slower at
+D = 4): its per-channel gates make every program rebuild the history's decays."""
+ONE_LAUNCH_MAX_HISTORY = 16
+"""The longest history a one-launch window of up to :data:`ONE_LAUNCH_MAX_TOKENS` tokens is served for; one token
+is served in one launch up to :data:`ONE_TOKEN_MAX_HISTORY`. On the H200 (bench/results/replay/
+onelaunch_bound_20261204, GDN, both side by side in one run, commit b29f6ef; the one-launch programs spill 10-158
+bytes at L = 32 and 296-494 at L = 64): at L = 32 one launch is faster for a decode of one request (float32 10.4
+against 12.3 µs, bfloat16 9.1 against 11.9) and slower for 8 (float32 24.8 against 21.9; bfloat16 21.1 against
+23.1 — a mixed result left to two launches), for a 4-token verify of one request (27.2 against 24.8) and of 8;
+at L = 64 it is slower everywhere (decode batch 1 18.4 against 14.2, batch 8 55.2 against 26.6; D = 4 batch 8
+247.9 against 45.3)."""
+ONE_TOKEN_MAX_HISTORY = 32
+"""The longest history a one-token GDN window (output-only decode of one request) runs in one launch for. A
+served plain decode of so few requests writes through instead (:func:`serves_write_through`); this is the
+output-only path's choice (``replay_decode(write_through=False)``, the drift study)."""
+
+
+def served_launches(tokens: int, is_kda: bool, history: int) -> int:
+    """Launches of a served verify of ``tokens`` tokens in all (requests x T) over a history of ``history``
+    records: 1 for a GDN window of at most :data:`ONE_LAUNCH_MAX_TOKENS` tokens and a history of at most
+    :data:`ONE_LAUNCH_MAX_HISTORY`, or of one token over at most :data:`ONE_TOKEN_MAX_HISTORY`; else 2
+    (window, then output)."""
+    if is_kda:
+        return 2
+    short = tokens <= ONE_LAUNCH_MAX_TOKENS and history <= ONE_LAUNCH_MAX_HISTORY
+    return 1 if short or (tokens == 1 and history <= ONE_TOKEN_MAX_HISTORY) else 2
+
+
+def served_window_key_heads(is_kda: bool, launches: int) -> bool:
+    """Whether a served window launch runs one program per request and key head
+    (:func:`~.verify.window_key_head_program`) rather than per value head: for every GDN verify of two launches
+    (KDA's gates are per channel and value head; one launch has no window launch). On an H100
+    (bench/results/replay/keyhead_20261206, commit 0689fd3, both side by side in one run, Qwen3-Next heads: 2 value
+    heads per key head) it was faster at every case measured — float32 decode at L = 16 1.03-1.04x (batch 128:
+    window 12.8 -> 8.3 µs, 141.4 -> 136.7 µs a step), at L = 32 1.05-1.07x; D = 4 1.03-1.10x at L = 16, 1.10-1.12x
+    at L = 32 (batch 256: window 137.2 -> 77.0 µs); bfloat16 1.01-1.13x — the key head's history keys read and
+    dotted once instead of once per value head, and half the programs (one wave where the per-value-head launch
+    needed two)."""
+    return not is_kda and launches == 2
+
+
+def served_window_warps(history: int, tokens: int) -> int:
+    """Warps of a served window program (one request and value head: the history's ``[L, K]`` key block and
+    the window's ``[TP, K]`` blocks) for a history of ``history`` records and ``tokens`` tokens per request:
+    1 up to L = 16, and at L = 32 for a window of more than one token (every reduction over K inside one
+    warp: no cross-warp round trips in the token chain); 2 at L = 32 for one token; 4 at L = 64 (fewer warps
+    hold the ``[64, K]`` block in too few threads). On the H200 (bench/results/replay/windowwarps_20261204,
+    float32, all three side by side) 1 warp against 4 at L = 16, batch 128: GDN decode 118.0 against 122.1
+    µs, D = 4 251.0 against 279.4; KDA decode 136.6 against 143.0, D = 4 290.6 against 306.6; at L = 32,
+    D = 4, batch 128: GDN 283.1 against 306.6, KDA 313.2 against 345.5; at L = 64 1 warp was up to 1.4x
+    slower (GDN D = 4 batch 128: 497.4 against 365.5)."""
+    if history <= 16:
+        return 1
+    if history <= 32:
+        return 1 if tokens > 1 else 2
+    return 4
+
+
+FOLD_FIRST_MIN_REQUESTS = 32
+"""From this many requests on, the output launch runs in fold-first order (:func:`~.verify.fold_order_program`). On the
+H200 (bench/results/replay/foldfirst_20261203, the order then a launch of its own) the order launch cost 2-3 µs:
+below batch 8 that is all it did, at 8 and 16 it was a wash (within 3 µs either way), from 32 on fold-first was
+as fast or faster everywhere measured — up to 1.26x at batch 256 (GDN decode, L = 64), where the folding
+programs would otherwise be the launch's tail. Since 986b1f6 the order is one more program of the window launch
+(no launch of its own; not yet timed)."""
+NARROW_TILING = (16, 1, None, 2)
+"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
+requests (a decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one warp, the whole of K in one step
+— more, smaller programs for a launch too small to fill the GPU with native-sized ones, and for a decode over a
+long history at every batch measured."""
+WIDE_TILING = (32, 1, 64, 3)
+"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on (a decode's: from
+:data:`WIDE_DECODE_FROM`): 32 columns on one warp
+(SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
+WIDE_TILING_MIN_REQUESTS = 64
+"""Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
+:data:`WIDE_DECODE_FROM`). On the H200 (bench/results/replay/
+kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
+on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
+1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
+Narrow is faster at 32 requests and fewer (decode batch 32 1.07 / 1.06x, D = 4 batch 16 1.11 / 1.13x)
+except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical launches measured 7 %
+apart at batch 16)."""
+
+
+WIDE_DECODE_FROM = {
+    ("gdn", 16, 4): 64, ("kda", 16, 4): 64, ("gdn", 32, 4): 112, ("kda", 32, 4): None,
+    ("gdn", 64, 4): None, ("kda", 64, 4): None,
+    ("gdn", 16, 2): 80, ("kda", 16, 2): 80, ("gdn", 32, 2): 112, ("kda", 32, 2): 192,
+    ("gdn", 64, 2): None, ("kda", 64, 2): None,
+}
+"""Per ``(family, history, state bytes)``: the requests per launch from which a one-token output launch (an
+output-only decode) runs :data:`WIDE_TILING` (None: narrow at every batch). Both tilings output-only side by side
+on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 64-256, output launch µs narrow /
+wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.8 µs at 64 requests,
+95.3 / 97.5 at 96, 109.3 / 104.8 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
+at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
+wide from 64 as for a verify (GDN 60.5 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
+narrow at 64, 60.6 / 57.8 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
+L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
+takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
+with a float32 state GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's
+wide 168 / 192 / 220 at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none
+spill). A verify of D = 2 was not measured at L = 32 / 64: it takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4."""
+
+
+def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
+                  state_dtype: torch.dtype) -> tuple[int, int, int | None, int]:
+    """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests of
+    ``tokens`` tokens each over a ``history``-record ring and a ``state_dtype`` checkpoint: :data:`WIDE_TILING`
+    from :data:`WIDE_DECODE_FROM` requests on for one token, from :data:`WIDE_TILING_MIN_REQUESTS` for more, else
+    :data:`NARROW_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`, at most three compiled
+    variants of the output kernel per window length)."""
+    if tokens == 1:
+        wide_from = WIDE_DECODE_FROM[measured_key(is_kda, history, state_dtype)]
+    else:
+        wide_from = WIDE_TILING_MIN_REQUESTS
+    return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
+
+
+SERVED_PDL = False
+"""Whether a served two-launch verify overlaps its output launch with its window launch (programmatic dependent
+launch, ``replay_verify(pdl=True)``). Off: on the H200 (bench/results/replay/pdl_20261205, commit 4a2c657, both
+side by side, D = 4, L = 16, float32) it changed nothing — GDN 136.8 / 136.7 µs at batch 64, 474.6 / 474.9 at
+256; KDA 153.7 / 153.6, 556.2 / 557.7 — CUDA-graph replay already hides the launch gap, and from 32 requests
+(fold-first order) the output programs wait for the window launch before their first read. Bit for bit the
+same under CUDA graphs there (``test_programmatic_dependent_launch_in_a_cuda_graph_changes_no_bit``). Asked
+again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, float32, side by side): at
+L = 16 0.977-0.999 of served's µs for decode (under 1 % from 128 requests) and 0.989-1.005 for D = 4; at L = 32
+and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in two runs), KDA D = 4 at L = 32
+1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
+
+
+WRITE_THROUGH_BLOCK_V = 16
+"""Value columns per write-through program, on one warp and three stages as SGLang 0.5.14's decode, which takes
+32: a 32-column program holds 168-254 registers a thread with the fold's loop beside the token (SGLang's
+packed decode, without one, fewer), too few warps a multiprocessor to cover the state's loads; 16 columns hold
+106-128. Side by side on an H100 (bench/results/replay/writethrough_tile_20261205, commit bd811dc, speedup
+over SGLang's packed decode at batch 1 / 8 / 32 / 64 / 128 / 256, L = 16, empty histories): bfloat16 state
+GDN 1.01 / 0.99 / 0.92 / 0.88 / 0.87 / 0.88x against 32 columns' 0.87 / 0.93 / 0.86 / 0.83 / 0.82 / 0.84x,
+KDA 1.02 / 0.99 / 0.92 / 0.89 / 0.87 / 0.86x against 0.86 / 0.93 / 0.82 / 0.78 / 0.74 / 0.73x; float32
+GDN 1.19 / 0.96 / 0.99 / 1.00 / 1.00 / 1.00x against 0.79 / 0.83 / 0.95 / 0.98 / 0.99 / 0.99x, KDA 0.96-1.11x
+either way. The committed state is the same bits whatever the columns (each column's sums over K are
+unchanged; tested on the GPU)."""
+
+WRITE_THROUGH_V_MAJOR = True
+"""Whether a served write-through holds its tile ``[BV, K]`` (SGLang's packed decode) or ``[K, BV]`` (its
+generic decode): the bits are the same on the GPU (float32 state equal to both kernels', tested); ``[BV, K]``
+was as fast or faster in the same H100 runs (bfloat16 KDA at 128 requests 0.87x native against 0.83x, 16
+columns; 0.76x against 0.75x, 32 columns, commit 713c0de)."""
+
+
+WRITE_THROUGH_VERIFY_PREFETCH = {"gdn": False, "kda": True}
+"""Whether a served write-through verify loads each draft token's inputs one step ahead (the first while the fold
+runs), per family: where that was faster in the one run that timed both side by side (H100,
+bench/results/prefetch_20261206, commit 4798d3d, L = 16, D = 4, a round at batch 1 / 16 / 256): KDA bfloat16
+1.11 / 1.08 / 1.23x (0.86x native at 256 becomes 1.06x), float32 1.02 / 1.04 / 1.03x; GDN 0.96-1.00x (not
+taken). Registers a thread there (sm_90): KDA 237 -> 239 (bfloat16), 228 -> 239 (float32); GDN 211 -> 229."""
