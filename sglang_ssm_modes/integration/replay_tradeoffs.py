@@ -14,7 +14,7 @@ import logging
 import torch
 
 from ..config import SSMModeConfig, dtype_name
-from ..ops.replay.served import state_bytes, write_through_max_requests, write_through_verify_below
+from ..ops.replay.served import measured_key, write_through_max_requests, write_through_verify_below
 
 KEY_HEAD_SOURCE = "bench/results/replay/keyhead_bounds_20261206, commit 4a280d3, H100"
 """Where GDN's output-only figures come from since its window launch runs per key head (both paths side by side
@@ -106,15 +106,15 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
     """How a replay pool of this family, history and state dtype serves plain decode, with the measured ratios of
     both paths (:data:`WRITE_THROUGH_SPEED`, :data:`OUTPUT_ONLY_DECODE`), and whether it was never faster than
     native at any batch measured."""
-    nbytes = state_bytes(state_dtype)
+    key = measured_key(family == "kda", history, state_dtype)  # (family, measured history, state bytes)
     most = write_through_max_requests(family == "kda", history, state_dtype)
-    speed, through_slower = WRITE_THROUGH_SPEED[(family, nbytes)]
+    speed, through_slower = WRITE_THROUGH_SPEED[(family, key[2])]
     through = f"{WRITE_THROUGH}: {speed} ({WRITE_THROUGH_SOURCE})"
     if most is None:
         return ("plain decode writes through at every batch (output-only decode was measured slower than that at "
                 f"every batch for this history and state): {through}"), through_slower
     measured = "" if history >= 16 else " (measured at L = 16)"
-    output_only, output_only_slower, source = OUTPUT_ONLY_DECODE[(family, max(history, 16), nbytes)]
+    output_only, output_only_slower, source = OUTPUT_ONLY_DECODE[key]
     return (f"plain decode writes through below {most + 1} requests per step, counting a CUDA graph's padding "
             f"({through}); output-only from {most + 1}: {output_only}{measured} ({source})",
             through_slower and output_only_slower)
@@ -123,14 +123,14 @@ def decode_sentence(family: str, history: int, state_dtype: torch.dtype) -> tupl
 def verify_sentence(family: str, history: int, state_dtype: torch.dtype) -> str:
     """How a replay pool of this family, history and state dtype serves a chain speculative verify, with the
     measured ratios of both paths (:data:`WRITE_THROUGH_VERIFY_SPEED`, :data:`OUTPUT_ONLY_VERIFY`)."""
-    nbytes = state_bytes(state_dtype)
+    key = measured_key(family == "kda", history, state_dtype)  # (family, measured history, state bytes)
     below = write_through_verify_below(family == "kda", history, state_dtype)
-    through = f"{WRITE_THROUGH_VERIFY}: {WRITE_THROUGH_VERIFY_SPEED[(family, nbytes)]}"
+    through = f"{WRITE_THROUGH_VERIFY}: {WRITE_THROUGH_VERIFY_SPEED[(family, key[2])]}"
     if below is None:
         return (f"a speculative chain verify writes through at every batch (output-only verify was measured slower "
                 f"than that at every batch for this history and state): {through} ({VERIFY_SOURCE})")
     measured = "" if history >= 16 else " (measured at L = 16)"
-    output_only, source = OUTPUT_ONLY_VERIFY[(family, max(history, 16), nbytes)]
+    output_only, source = OUTPUT_ONLY_VERIFY[key]
     return (f"a speculative chain verify writes through below {below} requests per step, counting a CUDA graph's "
             f"padding ({through}; {VERIFY_SOURCE}); output-only from {below}: {output_only}{measured} ({source})")
 

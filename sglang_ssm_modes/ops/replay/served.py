@@ -211,8 +211,8 @@ requests (a decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one w
 long history at every batch measured."""
 WIDE_TILING = (32, 1, 64, 3)
 """The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on (a decode's: from
-:data:`WIDE_DECODE_FROM`): 32 columns on one warp
-(SGLang's native decode tile), the checkpoint read 64 K rows per step of a loop pipelined 3 deep."""
+:data:`WIDE_DECODE_FROM`): 32 columns on one warp (SGLang's native decode tile), the checkpoint read 64 K rows
+per step of a loop pipelined 3 deep."""
 WIDE_TILING_MIN_REQUESTS = 64
 """Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
 :data:`WIDE_DECODE_FROM`). On the H200 (bench/results/replay/
