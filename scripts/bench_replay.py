@@ -90,7 +90,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                                              replay_verify, replay_write_through, replay_write_through_verify)
     from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, WRITE_THROUGH_VERIFY_PREFETCH,
                                                     output_tiling, served_launches, serves_write_through,
-                                                    serves_write_through_verify)
+                                                    serves_write_through_verify, write_through_block_v)
     from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
     from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
@@ -168,6 +168,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def fused_path(variant):  # what a timed step of the variant runs
         if writes_through(variant):
             tile = {key: value for key, value in variant.items() if key not in ("write_through", "cursor")}
+            tile.setdefault("block_v", write_through_block_v(is_kda, sd, d > 1))  # what ran: the served columns
             if d > 1:  # what ran: the served prefetch unless the variant sets one
                 tile.setdefault("prefetch", WRITE_THROUGH_VERIFY_PREFETCH[family])
                 return (f"replay_write_through_verify[write-through](fold, checkpoint written, cursor emptied, "

@@ -107,7 +107,9 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
     """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
     a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
     activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (served for KDA)."""
-    from sglang_ssm_modes.ops.replay.served import WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR
+    import torch
+
+    from sglang_ssm_modes.ops.replay.served import WRITE_THROUGH_V_MAJOR, write_through_block_v
     from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
     is_kda = family == "kda"
@@ -115,7 +117,8 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
                     h0_source=STATE[state_dtype], h0_indices="i32", r_u="fp32", r_kn="fp32", r_g="fp32",
                     r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32", r_faults="i32", r_tickets="i32",
                     rec_indices="i32")
-    consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V, BV=min(WRITE_THROUGH_BLOCK_V, V),
+    consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V,
+                  BV=min(write_through_block_v(is_kda, getattr(torch, state_dtype), draft), V),
                   L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not (is_kda or draft),
                   V_MAJOR=WRITE_THROUGH_V_MAJOR, DRAFT=draft, PREFETCH=prefetch)
     return _ptxas_resources(replay_write_through_kernel, pointers, consts, num_warps=1, num_stages=3)

@@ -12,10 +12,10 @@ from kernel_cases import (DEVICE, assert_same_bits, compiled_variants, flat_inpu
                           sglang_decode, sglang_packed_decode, to_device, ulps)
 
 from sglang_ssm_modes.ops.replay import (FAULT_NONFINITE, ReplayRing, clear_history, replay_decode, replay_fold,
-                                         replay_write_through)
+                                         replay_write_through, replay_write_through_verify)
 from sglang_ssm_modes.ops.replay import write_through as write_through_module
-from sglang_ssm_modes.ops.replay.served import (WRITE_THROUGH_BELOW, WRITE_THROUGH_BLOCK_V, serves_write_through,
-                                                serves_write_through_verify, write_through_max_requests)
+from sglang_ssm_modes.ops.replay.served import (WRITE_THROUGH_BELOW, serves_write_through, serves_write_through_verify,
+                                                write_through_block_v, write_through_max_requests)
 from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.reference import LinearAttnInputs, replay_forward, write_through
 from sglang_ssm_modes.reference.random_layer import random_inputs
@@ -245,6 +245,31 @@ def test_the_served_choice_of_a_chain_verify():
                       (False, 64, f32): 128, (False, 64, bf16): 128, (True, 64, f32): None, (True, 64, bf16): None}
 
 
+def test_the_served_write_through_tile(monkeypatch):
+    """Value columns a write-through program takes as served: 8 for a KDA decode with a float32 state, 16 for a
+    GDN one, a 2-byte state and every verify — and both launches ask for them (the grid's column blocks)."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cases = [(kda, dt, draft) for kda in (False, True) for dt in (f32, bf16, f16) for draft in (False, True)]
+    assert {case: write_through_block_v(*case) for case in cases} == {**dict.fromkeys(cases, 16), (True, f32, False): 8}
+    launched = []
+
+    class Spy:  # the kernel's launch: records its grid and BV instead of running
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid[0], kw["BV"]))
+
+    monkeypatch.setattr(write_through_module, "replay_write_through_kernel", Spy())
+    hk, hv, kdim, vdim, n = 2, 2, 16, 32, 3
+    for family, state_dtype in (("kda", f32), ("kda", bf16), ("gdn", f32)):
+        for d, launch in ((1, replay_write_through), (2, replay_write_through_verify)):
+            params, x, pool, _ = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=86)
+            inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+            ring = ReplayRing.allocate(n, 4, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+            idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+            launch(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                   inp["b"], pool.to(DEVICE), idx, ring, idx, is_kda=family == "kda")
+    assert launched == [(4, 8), (2, 16), (2, 16), (2, 16), (2, 16), (2, 16)]
+
+
 def test_bad_calls_are_refused():
     """Two tokens per request, or output-only keywords given to a write-through, are errors naming the rule."""
     family, hk, hv, kdim, vdim, n = "gdn", 1, 1, 16, 16, 2
@@ -341,7 +366,7 @@ def test_a_batch_repeating_one_slot_leaves_valid_cursor_words(rows):
     _decode(params, x.tokens(1, 2), family, rows, pool, same, ring, rec, write_through=True)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    programs = hv * triton.cdiv(vdim, WRITE_THROUGH_BLOCK_V)
+    programs = hv * triton.cdiv(vdim, write_through_block_v(False, torch.float32, False))
     assert 0 <= int(ring.count[0]) <= L and int(ring.phase[0]) in (0, 1)
     assert 0 <= int(ring.tickets[0]) < rows * programs
     assert int(ring.count[1]) == int(ring.tickets[1]) == 0, "the other slot untouched"

@@ -9,7 +9,7 @@ choice: one place for the policy the kernels (:mod:`.verify`, :mod:`.write_throu
   (:func:`served_window_key_heads`) and its warps (:func:`served_window_warps`), the output launch's order
   (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling (:func:`output_tiling`), no programmatic dependent launch
   (:data:`SERVED_PDL`);
-* a write-through's tile (:data:`WRITE_THROUGH_BLOCK_V`, :data:`WRITE_THROUGH_V_MAJOR`,
+* a write-through's tile (:func:`write_through_block_v`, :data:`WRITE_THROUGH_V_MAJOR`,
   :data:`WRITE_THROUGH_VERIFY_PREFETCH`).
 
 Every figure names the run it comes from (``bench/results/…``), each choice's alternatives timed side by side
@@ -281,8 +281,27 @@ over SGLang's packed decode at batch 1 / 8 / 32 / 64 / 128 / 256, L = 16, empty 
 GDN 1.01 / 0.99 / 0.92 / 0.88 / 0.87 / 0.88x against 32 columns' 0.87 / 0.93 / 0.86 / 0.83 / 0.82 / 0.84x,
 KDA 1.02 / 0.99 / 0.92 / 0.89 / 0.87 / 0.86x against 0.86 / 0.93 / 0.82 / 0.78 / 0.74 / 0.73x; float32
 GDN 1.19 / 0.96 / 0.99 / 1.00 / 1.00 / 1.00x against 0.79 / 0.83 / 0.95 / 0.98 / 0.99 / 0.99x, KDA 0.96-1.11x
-either way. The committed state is the same bits whatever the columns (each column's sums over K are
-unchanged; tested on the GPU)."""
+either way (8 columns: :data:`WRITE_THROUGH_DECODE_BLOCK_V`). The committed state is the same bits whatever the
+columns (each column's sums over K are unchanged; tested on the GPU)."""
+
+WRITE_THROUGH_DECODE_BLOCK_V = {("kda", 4): 8}
+"""Value columns per write-through *decode* program where they are not :data:`WRITE_THROUGH_BLOCK_V`, per
+``(family, state bytes)``: a KDA float32 state takes 8 (64 registers a thread against 106 at 16 columns). In the
+same H100 run (bench/results/replay/writethrough_tile_20261205/run2_columns_bd811dc, commit bd811dc, L = 16, empty
+histories, 8 / 16 columns side by side) it was faster at every batch: write-through launch µs 4.4 / 5.4 at batch 1,
+14.2 / 15.6 at 8, 48.9 / 52.3 at 32, 94.2 / 97.4 at 64, 184.9 / 189.5 at 128, 365.5 / 371.9 at 256 (a step 1.34 /
+1.06 / 1.04 / 1.01 / 1.00 / 1.01x SGLang's packed decode against 1.11 / 0.97 / 0.99 / 0.98 / 0.98 / 0.99x). Not for
+GDN (8 columns 0.93x at batch 8 against 0.96x, level elsewhere), a bfloat16 KDA state (0.79-0.83x from 128 requests
+against 0.86-0.87x) or a verify (not measured)."""
+
+
+def write_through_block_v(is_kda: bool, state_dtype: torch.dtype, draft: bool) -> int:
+    """Value columns per program of a served write-through: :data:`WRITE_THROUGH_DECODE_BLOCK_V` for a decode
+    (``draft`` false) where it names the family and state width, else :data:`WRITE_THROUGH_BLOCK_V`."""
+    if draft:
+        return WRITE_THROUGH_BLOCK_V
+    return WRITE_THROUGH_DECODE_BLOCK_V.get(("kda" if is_kda else "gdn", state_bytes(state_dtype)),
+                                            WRITE_THROUGH_BLOCK_V)
 
 WRITE_THROUGH_V_MAJOR = True
 """Whether a served write-through holds its tile ``[BV, K]`` (SGLang's packed decode) or ``[K, BV]`` (its

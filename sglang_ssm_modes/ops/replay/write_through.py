@@ -1,9 +1,9 @@
 """Replay-mode write-through: a request's pending history folded into its checkpoint in the same launch that
 runs its new tokens, in SGLang's own op order (its generic ``fused_sigmoid_gating_delta_rule_update``, the tile
 held ``[BV, K]`` as its packed CUDA kernels hold it, on one warp; 16 value columns a program where SGLang takes
-32, :data:`~.served.WRITE_THROUGH_BLOCK_V`), the checkpoint written back and the history emptied — native's bytes
-and native's one launch, for batches where launches and latency, not bytes, bound the step (when:
-:mod:`.served`):
+32, 8 for a KDA float32 decode, :func:`~.served.write_through_block_v`), the checkpoint written back and the
+history emptied — native's bytes and native's one launch, for batches where launches and latency, not bytes,
+bound the step (when: :mod:`.served`):
 
 * **decode** (:func:`replay_write_through`): the token applied to the checkpoint too, as SGLang's decode applies
   it (with a float32 state its bits on the GPU, generic and packed kernel alike);
@@ -26,7 +26,7 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, delta_rule_update, delta_rule_update_u, l2normalize, store_key_record,
                                token_inputs)
 from .ring import ReplayRing, flag_nonfinite
-from .served import WRITE_THROUGH_BLOCK_V, WRITE_THROUGH_V_MAJOR, WRITE_THROUGH_VERIFY_PREFETCH
+from .served import WRITE_THROUGH_V_MAJOR, WRITE_THROUGH_VERIFY_PREFETCH, write_through_block_v
 from .verify import window_cursor
 
 
@@ -162,7 +162,7 @@ def _launch(A_log, a, dt_bias, q, k, v, b, checkpoints, state_indices, ring, rec
     n = state_indices.shape[0]
     if triton.next_power_of_2(kdim) != kdim:
         raise ValueError(f"head_k_dim {kdim} must be a power of two")
-    BV = min(triton.next_power_of_2(vdim), block_v or WRITE_THROUGH_BLOCK_V)
+    BV = min(triton.next_power_of_2(vdim), block_v or write_through_block_v(is_kda, checkpoints.dtype, draft))
     o = q.new_empty(1, t_all, hv, vdim)
     replay_write_through_kernel[(triton.cdiv(vdim, BV), n * hv)](
         A_log, a, dt_bias, q, k, v, b, o, checkpoints, state_indices,
@@ -187,7 +187,7 @@ def replay_write_through(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Te
     checkpoint, the checkpoint written and the cursor emptied (where it was not already) — one launch, no
     host sync, no allocation but ``o``. The tile, as served unless given: ``v_major``
     (:data:`~.served.WRITE_THROUGH_V_MAJOR`), ``block_v`` value columns
-    (:data:`~.served.WRITE_THROUGH_BLOCK_V`), ``num_warps``, ``num_stages`` (SGLang's decode launch's). Returns
+    (:func:`~.served.write_through_block_v`), ``num_warps``, ``num_stages`` (SGLang's decode launch's). Returns
     ``o`` ``[1, N, HV, V]``."""
     t_all, n = k.shape[1], state_indices.shape[0]
     if t_all != n:
