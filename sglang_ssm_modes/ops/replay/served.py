@@ -291,8 +291,8 @@ same H100 run (bench/results/replay/writethrough_tile_20261205/run2_columns_bd81
 histories, 8 / 16 columns side by side) it was faster at every batch: write-through launch µs 4.4 / 5.4 at batch 1,
 14.2 / 15.6 at 8, 48.9 / 52.3 at 32, 94.2 / 97.4 at 64, 184.9 / 189.5 at 128, 365.5 / 371.9 at 256 (a step 1.34 /
 1.06 / 1.04 / 1.01 / 1.00 / 1.01x SGLang's packed decode against 1.11 / 0.97 / 0.99 / 0.98 / 0.98 / 0.99x). Not for
-GDN (8 columns 0.93x at batch 8 against 0.96x, level elsewhere), a bfloat16 KDA state (0.79-0.83x from 128 requests
-against 0.86-0.87x) or a verify (not measured)."""
+GDN (8 columns 0.93x at batch 8 against 0.96x, within 0.03 elsewhere), a bfloat16 KDA state (0.79-0.92x from 8
+requests against 0.86-0.99x) or a verify (not measured)."""
 
 
 def write_through_block_v(is_kda: bool, state_dtype: torch.dtype, draft: bool) -> int:
