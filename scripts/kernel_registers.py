@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_common import FAMILIES, K, V, parse_tilings
+from bench_common import DTYPES, FAMILIES, K, V, parse_tilings
 
 STATE = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -107,8 +107,6 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
     """``(registers per thread, spill-store bytes)`` of the write-through kernel as served, a decode or (``draft``)
     a verify (bf16 activations; a GDN decode rounds beta as SGLang's packed decode, KDA's beta comes
     activated); ``prefetch``: a verify loading each draft token's inputs one step ahead (served for KDA)."""
-    import torch
-
     from sglang_ssm_modes.ops.replay.served import WRITE_THROUGH_V_MAJOR, write_through_block_v
     from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
@@ -118,7 +116,7 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
                     r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32", r_faults="i32", r_tickets="i32",
                     rec_indices="i32")
     consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V,
-                  BV=min(write_through_block_v(is_kda, getattr(torch, state_dtype), draft), V),
+                  BV=min(write_through_block_v(is_kda, DTYPES[state_dtype], draft), V),
                   L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not (is_kda or draft),
                   V_MAJOR=WRITE_THROUGH_V_MAJOR, DRAFT=draft, PREFETCH=prefetch)
     return _ptxas_resources(replay_write_through_kernel, pointers, consts, num_warps=1, num_stages=3)
