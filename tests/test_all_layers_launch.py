@@ -263,6 +263,11 @@ def test_advance_of_every_layer_from_sglangs_last_index(window, family):
     _records_unchanged(one, ring)
     with pytest.raises(TypeError, match="integers"):
         advance(one, idx, last.float())
+    scalar, per_row = _clone(ring), _clone(ring)  # one int for every row takes the offset as a tensor does
+    advance(scalar, idx, 1, window=window, accepted_offset=1)
+    advance(per_row, idx, torch.ones_like(last), window=window, accepted_offset=1)
+    _assert_same(scalar, per_row)
+    assert torch.equal(scalar.count[:, 0], ring.count[:, 0] + 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

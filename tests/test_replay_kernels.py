@@ -122,7 +122,7 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
             need = fold_needed(ring, rec_idx, 1)
             replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, need, is_kda=family == "kda")
             after_fold(ring, rec_idx, need)
-        call_replay_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx)
+        call_replay_verify(params, x, family, n, 1, ours, state_idx, ring, rec_idx, fused_fold=fused)
         advance(ring, rec_idx, ones, window=1 if fused else 0)
     all_ = torch.ones(n, dtype=torch.bool, device=DEVICE)
     replay_fold(ours, state_idx.to(DEVICE), ring, rec_idx, all_, is_kda=family == "kda")
@@ -144,17 +144,18 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     pools = [pool.to(DEVICE), pool.to(DEVICE).clone(), pool.to(DEVICE).clone()]
     rings = [ReplayRing.allocate(n + 2, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
              for _ in range(3)]
-    rec_idx = torch.tensor([3, 1, 6, 0, 4], dtype=torch.int32, device=DEVICE)
     real = (state_idx >= 0).to(DEVICE)
+    rec_idx = torch.where(real, torch.tensor([3, 1, 6, 0, 4], device=DEVICE), -1).to(torch.int32)  # padding: -1
     folds = 0
     for _ in range(3 * L):
         x = random_inputs(family, n, d, hk, hv, kdim, vdim, gen, torch.bfloat16)
-        accepted = torch.randint(0, d + 1, (n,), generator=gen).to(DEVICE).to(torch.int32) * real
-        need = fold_needed(rings[0], rec_idx, d) & real
+        accepted = torch.randint(0, d + 1, (n,), generator=gen).to(DEVICE).to(torch.int32)  # padding rows too
+        need = fold_needed(rings[0], rec_idx, d)
+        assert not need[~real].any()
         folds += int(need.sum())
         replay_fold(pools[0], state_idx.to(DEVICE), rings[0], rec_idx, need, is_kda=family == "kda")
         after_fold(rings[0], rec_idx, need)
-        o_sep = call_replay_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx)
+        o_sep = call_replay_verify(params, x, family, n, d, pools[0], state_idx, rings[0], rec_idx, fused_fold=False)
         advance(rings[0], rec_idx, accepted)
         for i, fold_first in ((1, True), (2, False)):
             o_fused = call_replay_verify(params, x, family, n, d, pools[i], state_idx, rings[i], rec_idx,

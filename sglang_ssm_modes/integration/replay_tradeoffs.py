@@ -57,10 +57,8 @@ WRITE_THROUGH_SPEED = {
     ("gdn", 4): ("1.19x native at 1 request, 0.96-1.00x from 8 to 256", False),
     ("kda", 4): ("1.00-1.34x native at every batch measured (8 value columns a program)", False),
     ("gdn", 2): ("0.99-1.01x native below 32 requests, 0.87-0.92x from 32 to 256 (SGLang's packed decode moves a "
-                 "2-byte state at 0.85-0.94 of copy bandwidth, the write-through at 0.76-0.82; for speed pass "
-                 "--mamba-ssm-dtype float32)", True),
-    ("kda", 2): ("0.99-1.02x native below 32 requests, 0.86-0.92x from 32 to 256 (as GDN; for speed pass "
-                 "--mamba-ssm-dtype float32)", True),
+                 "2-byte state at 0.85-0.94 of copy bandwidth, the write-through at 0.76-0.82)", True),
+    ("kda", 2): ("0.99-1.02x native below 32 requests, 0.86-0.92x from 32 to 256 (as GDN)", True),
 }
 """Write-through decode against native per ``(family, state bytes)`` (a steady write-through has no history, so
 one figure for every L), and whether it was never faster than native (level with it at best: within 2 %)."""
@@ -68,8 +66,6 @@ LOW_PRECISION_DECODE = ("where plain decode or a speculative verify writes throu
                         "native's does (after every token, every accepted prefix); output-only decode and verify "
                         "round it once per fold (bench/results/replay/drift_20261203: a third to a half of "
                         "native's drift over 10 000 tokens)")
-FASTEST_HISTORY = " (L = 16 is the fastest history)"
-"""The hint a float32 pool's warning ends with."""
 VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commits 08d2506 and 7f7be68, H100"
 """Where the chain-verify figures come from: both paths side by side with native in one run, D = 2 and 4."""
 WRITE_THROUGH_VERIFY = ("a write-through verify is SGLang's verify + scatter in one launch (the scatter deferred "
@@ -148,9 +144,9 @@ def replay_tradeoffs(cfg: SSMModeConfig, family: str, state_dtype: torch.dtype,
     decode, slower = decode_sentence(family, cfg.replay_history, state_dtype)
     state = dtype_name(state_dtype)
     if slower:
-        decode += (": slower than native at every batch measured" + (
-            "; for speed pass --mamba-ssm-dtype float32, for memory --ssm-state-mode compact"
-            if state_dtype != torch.float32 else FASTEST_HISTORY))
+        decode += (": no faster than native at any batch measured; "
+                   + ("for speed pass --mamba-ssm-dtype float32, " if state_dtype != torch.float32 else "")
+                   + "for memory --ssm-state-mode compact")
     out = [(logging.WARNING if slower else logging.INFO,
             f"replay kernels against native ({where}, {state} state): {decode}")]
     if state_dtype != torch.float32:

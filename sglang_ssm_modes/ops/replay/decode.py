@@ -6,7 +6,7 @@
 * **write-through** (:func:`~.write_through.replay_write_through`): the request's pending history folded and
   the token applied to the checkpoint in one launch, as SGLang's decode kernels apply it, the checkpoint
   written back and the history left empty — native's bytes and native's one launch, for batches where
-  launches and latency, not bytes, bound the step and output-only was measured slower than native
+  launches and latency, not bytes, bound the step and output-only was measured no faster than the write-through
   (:func:`~.served.write_through_max_requests`).
 
 Both leave the same committed state (with a float32 state the write-through's is SGLang's decode bit for bit,

@@ -157,7 +157,6 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
     o_k = tl.arange(0, K)
     o_l = tl.arange(0, L)
     o_t = tl.arange(0, TP)
-    mask_k = o_k < K
     p_A_log = A_log + i_hv
     if IS_KDA:
         p_dt_bias = dt_bias + i_hv * K + o_k
@@ -668,13 +667,15 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     ``block_k >= 16``) or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request
     and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). Checkpoints and every record
-    but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. Returns ``o``
-    ``[1, T_all, HV, V]``.
+    but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. A padding row is
+    negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
+    a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
+    slots only. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
     n = state_indices.shape[0]
-    if t_all % n:
+    if n == 0 or t_all % n:
         raise ValueError(f"{t_all} tokens do not split evenly over {n} requests")
     T = t_all // n
     if T > ring.history:
