@@ -96,8 +96,8 @@ def serves_write_through(requests: int, is_kda: bool, history: int, state_dtype:
 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
-    ("gdn", 32, 4): 64, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
-    ("gdn", 64, 4): 128, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
+    ("gdn", 32, 4): 56, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
+    ("gdn", 64, 4): 96, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
 (:func:`~.verify.replay_verify`; None: never — write-through at every batch). Measured side by side on an H100
@@ -116,8 +116,17 @@ D = 4, both side by side, batch 16 / 32 / 64 / 128 / 256) moved one bound: bfloa
 1.13-1.17x, output-only 0.84, 0.90, 1.06, 1.18, 1.27x (output-only from 128; 64 a tie). The others held: float32
 L = 16 1.61-1.71 / 1.62 (a tie at 16), 2.16-2.90x; L = 32 1.60-1.71 / 1.20, 1.46 then 2.39-2.73x from 64; L = 64
 1.58-1.72 / 1.33-1.42x below 64, 1.67 at 64 (a tie), 2.06-2.16x from 128; bfloat16 L = 16 1.10-1.14 / 1.15 (a tie
-at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. A history of L < 16 takes L = 16's
-bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
+at 16), 1.44-2.04x; L = 32 1.12-1.16 / 0.91, 1.14 (a tie at 32), 1.35-1.58x. Between those batches, D = 2 at
+L = 32 / 64 (bench/results/replay/verify_bounds_20261207, commit d04da19, H100, side by side, batch 56 / 64 / 96 /
+104 / 112 / 128 / 256) moved two float32 GDN bounds: L = 32 write-through 1.68x at 56 requests, output-only
+1.83x (the narrow tile served there; 2.22x wide), so from 56 (was 64); L = 64 write-through 1.65-1.67x from 56 to
+112, output-only (wide) 1.44 / 1.58x at 56 / 64, 1.82 / 1.91 / 1.95x at 96 / 104 / 112, so from 96 (was 128). D = 4
+was not timed at those batches: its output-only round gains more over native than D = 2's (above), and its
+crossings at 64 (L = 32: 2.39x) and 128 (L = 64: 2.06x, a tie at 64) bracket the new bounds. The others held
+there: KDA float32 L = 32 1.71 / 1.51x at 56, 1.65 / 1.63x at 64 (a tie), 1.80-1.96x output-only from 96; KDA
+float32 L = 64 write-through 1.61-1.68x, output-only 1.08-1.43x; bfloat16 GDN L = 64 1.16-1.21 / 0.96-1.24x
+below 128 (a tie or a few per cent). A history of L < 16 takes L = 16's bound; a state of 2-byte elements
+(bfloat16, float16) the bfloat16 row."""
 
 
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
@@ -242,7 +251,10 @@ L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at eve
 takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
 with a float32 state GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's
 wide 168 / 192 / 220 at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none
-spill). A verify of D = 2 was not measured at L = 32 / 64: it takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4."""
+spill). A verify of D = 2 takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4: at L = 32 / 64 (bench/results/replay/
+verify_bounds_20261207, commit d04da19, H100, output launch tiles side by side) wide was as fast or faster from 64
+requests (narrow's µs over wide's 0.98-1.39, float32 L = 64 at 64 requests 0.95-0.97) and slower at 56 but for a
+float32 L = 32 state (GDN 1.21, KDA 1.03; the others 0.91-0.96)."""
 
 
 def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
