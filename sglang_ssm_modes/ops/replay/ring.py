@@ -194,8 +194,8 @@ def advance(ring: ReplayRing, record_indices: torch.Tensor, accepted: torch.Tens
     layers, slots = ring.layers_and_slots
     advance_kernel[(triton.cdiv(n, 256), layers)](
         ring.count, ring.phase, ring.folds, ring.faults, record_indices, accepted if per_row else record_indices,
-        0 if per_row else int(accepted) + accepted_offset, accepted_offset, n, slots, window, L=ring.history, PER_ROW=per_row,
-        BLOCK=256)
+        0 if per_row else int(accepted) + accepted_offset, accepted_offset, n, slots, window, L=ring.history,
+        PER_ROW=per_row, BLOCK=256)
 
 
 def fold_needed(ring: ReplayRing, record_indices: torch.Tensor, window: int) -> torch.Tensor:
