@@ -304,7 +304,9 @@ histories, 8 / 16 columns side by side) it was faster at every batch: write-thro
 14.2 / 15.6 at 8, 48.9 / 52.3 at 32, 94.2 / 97.4 at 64, 184.9 / 189.5 at 128, 365.5 / 371.9 at 256 (a step 1.34 /
 1.06 / 1.04 / 1.01 / 1.00 / 1.01x SGLang's packed decode against 1.11 / 0.97 / 0.99 / 0.98 / 0.98 / 0.99x). Not for
 GDN (8 columns 0.93x at batch 8 against 0.96x, within 0.03 elsewhere), a bfloat16 KDA state (0.79-0.92x from 8
-requests against 0.86-0.99x) or a verify (not measured)."""
+requests against 0.86-0.99x) or a verify (not measured). Served, again side by side with 16 columns (bench/results/
+replay/writethrough_kda8_20261207, commit d04da19, H100, L = 16 and 64): 1.29-1.32 / 1.06 / 1.05-1.06 / 1.02-1.03 /
+1.01 / 1.00-1.01x against 0.97-1.10x."""
 
 
 def write_through_block_v(is_kda: bool, state_dtype: torch.dtype, draft: bool) -> int:
