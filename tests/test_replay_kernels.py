@@ -16,7 +16,7 @@ from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kerne
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
 from sglang_ssm_modes.ops.replay import verify as replay_verify_module
 from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, NARROW_TILING, ONE_LAUNCH_MAX_TOKENS,
-                                                WIDE_DECODE_FROM, WIDE_TILING, WIDE_TILING_MIN_REQUESTS, output_tiling,
+                                                WIDE_DECODE_FROM, WIDE_TILING, WIDE_VERIFY_FROM, output_tiling,
                                                 served_launches, served_window_key_heads)
 from sglang_ssm_modes.ops.replay.verify import (fold_order_kernel, pdl_available, replay_output_kernel,
                                                 replay_step_kernel, replay_window_kernel)
@@ -351,15 +351,15 @@ def test_request_counts_1_to_511_compile_the_served_variants_once():
     """Request counts run through 1..511, decode (T = 1) and a 4-token verify: each launch compiles once
     per served choice and never per count. Per window length the output launch has three — narrow tiling in
     request order, narrow fold-first, wide fold-first (:data:`FOLD_FIRST_MIN_REQUESTS` 32,
-    :data:`WIDE_TILING_MIN_REQUESTS` 64, and 64 for a float32 decode at L = 8 in :data:`WIDE_DECODE_FROM`) — the
+    :data:`WIDE_VERIFY_FROM` 40 and :data:`WIDE_DECODE_FROM` 64 for float32 GDN at L = 8) — the
     window launch two (request order; fold-first, with the order
     program) and the one-launch kernel one (up to :data:`ONE_LAUNCH_MAX_TOKENS` 8 tokens: 8 decode requests, 2
     verify), with a head shape no other test uses (earlier compilations cannot hide a recompile); the separate
     order launch none (it serves a one-launch verify of 32 requests or more, never a served choice)."""
     n_max, hk, hv, kdim, vdim, L = 511, 1, 2, 32, 16, 8
     kernels = (replay_window_kernel, replay_output_kernel, replay_step_kernel)
-    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_TILING_MIN_REQUESTS, WIDE_DECODE_FROM[("gdn", 16, 4)],
-            ONE_LAUNCH_MAX_TOKENS) == (32, 64, 64, 8)  # hence the counts
+    assert (FOLD_FIRST_MIN_REQUESTS, WIDE_VERIFY_FROM[("gdn", 16, 4)], WIDE_DECODE_FROM[("gdn", 16, 4)],
+            ONE_LAUNCH_MAX_TOKENS) == (32, 40, 64, 8)  # hence the counts
     order_before = compiled_variants(fold_order_kernel)
     for d in (1, 4):
         params, x, pool, _ = make_case("gdn", n_max, d, hk, hv, kdim, vdim, torch.float32, seed=60 + d)
@@ -389,19 +389,24 @@ def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
 
 
 def test_the_served_output_tiling():
-    """Wide from 64 requests for a verify (T > 1) at every history and state; for a one-token output launch from
-    the measured bound per family, history and state width (:data:`WIDE_DECODE_FROM`: float32 L = 16 64, GDN L = 32
-    112, never at L = 64 or KDA L = 32; 2-byte states 80 at L = 16, 112 / 192 at L = 32), L < 16 as L = 16."""
+    """Wide from the measured bound per family, history and state width: for a verify (T > 1,
+    :data:`WIDE_VERIFY_FROM`) float32 GDN L = 16 / 32 40, 64 everywhere else; for a one-token output launch
+    (:data:`WIDE_DECODE_FROM`) float32 L = 16 64, GDN L = 32 112, never at L = 64 or KDA L = 32; 2-byte states 80
+    at L = 16, 112 / 192 at L = 32. L < 16 as L = 16."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert set(WIDE_DECODE_FROM) == {(f, L, b) for f in ("gdn", "kda") for L in (16, 32, 64) for b in (4, 2)}
+    keys = {(f, L, b) for f in ("gdn", "kda") for L in (16, 32, 64) for b in (4, 2)}
+    assert set(WIDE_DECODE_FROM) == set(WIDE_VERIFY_FROM) == keys
 
     def wide_from(tokens, kda, L, dt):  # the first request count served wide, None if none up to 511
         tilings = {n: output_tiling(n, tokens, kda, L, dt) for n in range(1, 512)}
         assert set(tilings.values()) <= {NARROW_TILING, WIDE_TILING}
         return next((n for n, tiling in tilings.items() if tiling == WIDE_TILING), None)
 
-    assert all(wide_from(t, kda, L, dt) == 64 for t in (2, 4) for kda in (False, True) for L in (8, 16, 32, 64)
-               for dt in (f32, bf16))
+    for t in (2, 4):
+        assert {(kda, L, dt): wide_from(t, kda, L, dt) for kda in (False, True) for L in (8, 16, 32, 64)
+                for dt in (f32, bf16)} == {(kda, L, dt): 40 if (kda, L, dt) in {(False, 8, f32), (False, 16, f32),
+                                                                                 (False, 32, f32)} else 64
+                                           for kda in (False, True) for L in (8, 16, 32, 64) for dt in (f32, bf16)}
     assert {(kda, L, dt): wide_from(1, kda, L, dt) for kda in (False, True) for L in (8, 16, 32, 64)
             for dt in (f32, bf16, f16)} == {
         **{(kda, L, f32): 64 for kda in (False, True) for L in (8, 16)},
@@ -528,7 +533,7 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, t
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
-    1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 64 requests
+    1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 40-64 requests
     (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}

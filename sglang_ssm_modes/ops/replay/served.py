@@ -96,7 +96,7 @@ def serves_write_through(requests: int, is_kda: bool, history: int, state_dtype:
 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
-    ("gdn", 32, 4): 56, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
+    ("gdn", 32, 4): 40, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
     ("gdn", 64, 4): 96, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
@@ -125,8 +125,14 @@ was not timed at those batches: its output-only round gains more over native tha
 crossings at 64 (L = 32: 2.39x) and 128 (L = 64: 2.06x, a tie at 64) bracket the new bounds. The others held
 there: KDA float32 L = 32 1.71 / 1.51x at 56, 1.65 / 1.63x at 64 (a tie), 1.80-1.96x output-only from 96; KDA
 float32 L = 64 write-through 1.61-1.68x, output-only 1.08-1.43x; bfloat16 GDN L = 64 1.16-1.21 / 0.96-1.24x
-below 128 (a tie or a few per cent). A history of L < 16 takes L = 16's bound; a state of 2-byte elements
-(bfloat16, float16) the bfloat16 row."""
+below 128 (a tie or a few per cent). D = 4 at those batches and below them (bench/results/replay/
+verify_tiles_20261207, commit 9a21fe3, H100, side by side) moved float32 GDN L = 32 again, with the wide output
+tile from 40 requests (:data:`WIDE_VERIFY_FROM`): write-through / output-only (wide) D = 2 1.62 / 1.35x at 24,
+1.67 / 1.73x at 32, 1.63 / 1.88x at 40, 1.66 / 2.10x at 48; D = 4 1.58 / 1.31x at 24, 1.61 / 1.69x at 32,
+1.59-1.62 / 1.87-1.92x at 40, 1.61-1.64 / 2.08-2.12x at 48, so from 40 (32 a few per cent). L = 64 held at D = 4:
+write-through 1.61-1.67x from 40 to 64, output-only 1.55-1.67x there (a tie at 64), 1.97 / 2.07 / 2.05x at 96 /
+112 / 128 against 1.68-1.71x. A history of L < 16 takes L = 16's bound; a state of 2-byte elements (bfloat16,
+float16) the bfloat16 row."""
 
 
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
@@ -214,23 +220,38 @@ as fast or faster everywhere measured — up to 1.26x at batch 256 (GDN decode, 
 programs would otherwise be the launch's tail. Since 986b1f6 the order is one more program of the window launch
 (no launch of its own; not yet timed)."""
 NARROW_TILING = (16, 1, None, 2)
-"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_TILING_MIN_REQUESTS`
-requests (a decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one warp, the whole of K in one step
-— more, smaller programs for a launch too small to fill the GPU with native-sized ones, and for a decode over a
-long history at every batch measured."""
+"""``(block_v, num_warps, block_k, num_stages)`` of the output launch below :data:`WIDE_VERIFY_FROM` requests (a
+decode's: below :data:`WIDE_DECODE_FROM`): 16 value columns on one warp, the whole of K in one step — more,
+smaller programs for a launch too small to fill the GPU with native-sized ones, and for a decode over a long
+history at every batch measured."""
 WIDE_TILING = (32, 1, 64, 3)
-"""The output launch's tiling from :data:`WIDE_TILING_MIN_REQUESTS` requests on (a decode's: from
+"""The output launch's tiling from :data:`WIDE_VERIFY_FROM` requests on (a decode's: from
 :data:`WIDE_DECODE_FROM`): 32 columns on one warp (SGLang's native decode tile), the checkpoint read 64 K rows
 per step of a loop pipelined 3 deep."""
-WIDE_TILING_MIN_REQUESTS = 64
-"""Requests per launch from which :data:`WIDE_TILING` serves a verify (T > 1; a decode's bound is
-:data:`WIDE_DECODE_FROM`). On the H200 (bench/results/replay/
-kloop_20261203, float32, L = 16, both tilings side by side in each run) wide is faster from 64 requests
-on: decode 1.08x (GDN) / 1.16x (KDA) at batch 64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 /
-1.04x at 64, 1.06 / 1.07x at 128 (at L = 32, KDA decode at 128 / 256 was 1.07 / 1.04x faster narrow).
-Narrow is faster at 32 requests and fewer (decode batch 32 1.07 / 1.06x, D = 4 batch 16 1.11 / 1.13x)
-except D = 4 batch 32 (wide 1.06 / 1.02x, within one run's noise: two identical launches measured 7 %
-apart at batch 16)."""
+
+
+WIDE_VERIFY_FROM = {
+    ("gdn", 16, 4): 40, ("kda", 16, 4): 64, ("gdn", 32, 4): 40, ("kda", 32, 4): 64,
+    ("gdn", 64, 4): 64, ("kda", 64, 4): 64,
+    ("gdn", 16, 2): 64, ("kda", 16, 2): 64, ("gdn", 32, 2): 64, ("kda", 32, 2): 64,
+    ("gdn", 64, 2): 64, ("kda", 64, 2): 64,
+}
+"""Per ``(family, history, state bytes)``: the requests per launch from which a verify's output launch (T > 1) runs
+:data:`WIDE_TILING`, D = 2 and 4 alike. On the H200 (bench/results/replay/kloop_20261203, float32, L = 16, both
+tilings side by side in each run) wide was faster from 64 requests on: decode 1.08x (GDN) / 1.16x (KDA) at batch
+64, 1.07 / 1.16x at 128, 1.06 / 1.17x at 256; D = 4 1.06 / 1.04x at 64, 1.06 / 1.07x at 128; narrow faster at 32
+requests and fewer but D = 4 at 32 (wide 1.06 / 1.02x). On an H100 (bench/results/replay/verify_bounds_20261207,
+commit d04da19, D = 2 at L = 32 / 64) wide was as fast or faster from 64 requests (narrow's µs over wide's
+0.98-1.39, float32 L = 64 at 64 requests 0.95-0.97) and slower at 56 but for a float32 L = 32 state (GDN 1.21, KDA
+1.03; the others 0.91-0.96). Below 64 for float32 GDN (bench/results/replay/verify_tiles_20261207, commit
+9a21fe3, H100, speedup of a round over SGLang's verify + scatter, both tiles output-only side by side, batch
+16-56): L = 16 narrow / wide D = 2 2.13 / 2.06x at 32, 2.20 / 2.32, 2.22 / 2.42, 2.23 / 2.40x at 40 / 48 / 56;
+D = 4 2.16 / 2.33x at 32, 2.16 / 2.31, 2.27 / 2.50, 2.30 / 2.55x at 40 / 48 / 56; L = 32 (narrow timed at 56
+only) wide 1.73 / 1.69x (D = 2 / 4) at 32, 1.88 / 1.92x at 40, 2.10 / 2.12x at 48, 2.24 / 2.27x at 56 against
+narrow's 1.84 / 1.73x there: so wide from 40 for both (at 32 a tie or a few per cent either way). L = 64 (D = 4,
+same run as :data:`WRITE_THROUGH_VERIFY_BELOW`'s D = 4 check) narrow / wide 1.55 / 1.41x at 40, 1.61 / 1.55x at
+48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. KDA and 2-byte states below 64 not timed but at 56 (above).
+A history of L < 16 takes L = 16's bound; a state of 2-byte elements the bfloat16 row."""
 
 
 WIDE_DECODE_FROM = {
@@ -251,23 +272,17 @@ L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at eve
 takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
 with a float32 state GDN's programs hold the same registers at L = 16 and 32 (wide 168, narrow 127-128), KDA's
 wide 168 / 192 / 220 at L = 16 / 32 / 64 against narrow 168 / 128 / 167, GDN's at L = 64 220 against 127 (none
-spill). A verify of D = 2 takes :data:`WIDE_TILING_MIN_REQUESTS` as D = 4: at L = 32 / 64 (bench/results/replay/
-verify_bounds_20261207, commit d04da19, H100, output launch tiles side by side) wide was as fast or faster from 64
-requests (narrow's µs over wide's 0.98-1.39, float32 L = 64 at 64 requests 0.95-0.97) and slower at 56 but for a
-float32 L = 32 state (GDN 1.21, KDA 1.03; the others 0.91-0.96)."""
+spill). A verify's bound is :data:`WIDE_VERIFY_FROM`."""
 
 
 def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
                   state_dtype: torch.dtype) -> tuple[int, int, int | None, int]:
     """The served ``(block_v, num_warps, block_k, num_stages)`` of an output launch of ``requests`` requests of
     ``tokens`` tokens each over a ``history``-record ring and a ``state_dtype`` checkpoint: :data:`WIDE_TILING`
-    from :data:`WIDE_DECODE_FROM` requests on for one token, from :data:`WIDE_TILING_MIN_REQUESTS` for more, else
+    from :data:`WIDE_DECODE_FROM` requests on for one token, from :data:`WIDE_VERIFY_FROM` for more, else
     :data:`NARROW_TILING` (with fold-first order from :data:`FOLD_FIRST_MIN_REQUESTS`, at most three compiled
     variants of the output kernel per window length)."""
-    if tokens == 1:
-        wide_from = WIDE_DECODE_FROM[measured_key(is_kda, history, state_dtype)]
-    else:
-        wide_from = WIDE_TILING_MIN_REQUESTS
+    wide_from = (WIDE_DECODE_FROM if tokens == 1 else WIDE_VERIFY_FROM)[measured_key(is_kda, history, state_dtype)]
     return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
 
 
