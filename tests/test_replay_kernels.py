@@ -390,7 +390,7 @@ def test_one_launch_is_served_for_small_gdn_windows_over_short_histories_only():
 
 def test_the_served_output_tiling():
     """Wide from the measured bound per family, history and state width: for a verify (T > 1,
-    :data:`WIDE_VERIFY_FROM`) float32 GDN L = 16 / 32 40, 64 everywhere else; for a one-token output launch
+    :data:`WIDE_VERIFY_FROM`) float32 L = 16 and GDN L = 32 40, 2-byte L = 16 32, 64 elsewhere; for one token
     (:data:`WIDE_DECODE_FROM`) float32 L = 16 64, GDN L = 32 112, never at L = 64 or KDA L = 32; 2-byte states 80
     at L = 16, 112 / 192 at L = 32. L < 16 as L = 16."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -402,11 +402,11 @@ def test_the_served_output_tiling():
         assert set(tilings.values()) <= {NARROW_TILING, WIDE_TILING}
         return next((n for n, tiling in tilings.items() if tiling == WIDE_TILING), None)
 
+    verify_bounds = {(kda, L, dt): 64 for kda in (False, True) for L in (8, 16, 32, 64) for dt in (f32, bf16, f16)}
+    verify_bounds |= {(kda, L, f32): 40 for kda in (False, True) for L in (8, 16)} | {(False, 32, f32): 40}
+    verify_bounds |= {(kda, L, dt): 32 for kda in (False, True) for L in (8, 16) for dt in (bf16, f16)}
     for t in (2, 4):
-        assert {(kda, L, dt): wide_from(t, kda, L, dt) for kda in (False, True) for L in (8, 16, 32, 64)
-                for dt in (f32, bf16)} == {(kda, L, dt): 40 if (kda, L, dt) in {(False, 8, f32), (False, 16, f32),
-                                                                                 (False, 32, f32)} else 64
-                                           for kda in (False, True) for L in (8, 16, 32, 64) for dt in (f32, bf16)}
+        assert {key: wide_from(t, *key) for key in verify_bounds} == verify_bounds
     assert {(kda, L, dt): wide_from(1, kda, L, dt) for kda in (False, True) for L in (8, 16, 32, 64)
             for dt in (f32, bf16, f16)} == {
         **{(kda, L, f32): 64 for kda in (False, True) for L in (8, 16)},

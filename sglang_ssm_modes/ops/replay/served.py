@@ -96,7 +96,7 @@ def serves_write_through(requests: int, is_kda: bool, history: int, state_dtype:
 
 WRITE_THROUGH_VERIFY_BELOW = {
     ("gdn", 16, 4): 32, ("kda", 16, 4): 32, ("gdn", 16, 2): 32, ("kda", 16, 2): 32,
-    ("gdn", 32, 4): 40, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 32,
+    ("gdn", 32, 4): 40, ("kda", 32, 4): 64, ("gdn", 32, 2): 32, ("kda", 32, 2): 96,
     ("gdn", 64, 4): 96, ("kda", 64, 4): None, ("gdn", 64, 2): 128, ("kda", 64, 2): None,
 }
 """Per ``(family, history, state bytes)``: the request count from which a served chain verify is output-only
@@ -231,9 +231,9 @@ per step of a loop pipelined 3 deep."""
 
 
 WIDE_VERIFY_FROM = {
-    ("gdn", 16, 4): 40, ("kda", 16, 4): 64, ("gdn", 32, 4): 40, ("kda", 32, 4): 64,
+    ("gdn", 16, 4): 40, ("kda", 16, 4): 40, ("gdn", 32, 4): 40, ("kda", 32, 4): 64,
     ("gdn", 64, 4): 64, ("kda", 64, 4): 64,
-    ("gdn", 16, 2): 64, ("kda", 16, 2): 64, ("gdn", 32, 2): 64, ("kda", 32, 2): 64,
+    ("gdn", 16, 2): 32, ("kda", 16, 2): 32, ("gdn", 32, 2): 64, ("kda", 32, 2): 64,
     ("gdn", 64, 2): 64, ("kda", 64, 2): 64,
 }
 """Per ``(family, history, state bytes)``: the requests per launch from which a verify's output launch (T > 1) runs
@@ -250,8 +250,13 @@ D = 4 2.16 / 2.33x at 32, 2.16 / 2.31, 2.27 / 2.50, 2.30 / 2.55x at 40 / 48 / 56
 only) wide 1.73 / 1.69x (D = 2 / 4) at 32, 1.88 / 1.92x at 40, 2.10 / 2.12x at 48, 2.24 / 2.27x at 56 against
 narrow's 1.84 / 1.73x there: so wide from 40 for both (at 32 a tie or a few per cent either way). L = 64 (D = 4,
 same run as :data:`WRITE_THROUGH_VERIFY_BELOW`'s D = 4 check) narrow / wide 1.55 / 1.41x at 40, 1.61 / 1.55x at
-48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. KDA and 2-byte states below 64 not timed but at 56 (above).
-A history of L < 16 takes L = 16's bound; a state of 2-byte elements the bfloat16 row."""
+48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. The others below 64 (same directory, commit 07da41b, batch
+32-56, narrow / wide output-only): KDA float32 L = 16 D = 2 1.92 / 1.85x at 32, 2.00-2.07 / 2.07-2.17x at 40-56,
+D = 4 2.03 / 2.09x at 32, 1.89-2.03 / 1.92-2.13x at 40-56, so from 40; L = 32 narrow or the write-through ahead
+(wide 1.28-1.54x against 1.55-1.69x) but D = 4 at 56 (wide 1.69x, the write-through 1.63x). bfloat16 L = 16 wide
+ahead from 32: GDN D = 2 1.46-1.56 / 1.53-1.68x, D = 4 1.43-1.54 / 1.49-1.75x; KDA D = 2 1.27-1.37 / 1.28-1.45x,
+D = 4 1.16-1.26 / 1.23-1.38x; L = 32 narrow ahead or level (GDN 1.12-1.48 / 1.08-1.44x). A history of L < 16 takes
+L = 16's bound; a state of 2-byte elements the bfloat16 row."""
 
 
 WIDE_DECODE_FROM = {
