@@ -283,7 +283,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
             *((fla_row,) if d == 1 and fla is not None else ())):
         if impl_ in STATELESS_IMPLS and not stateless:
             continue
-        key = (family, dtype_name, history, d, path_)  # the kernels a row runs: the same for the same path
+        # the kernels a row runs: the same for the same path; a write-through verify's draft length is a runtime
+        # argument of its kernel (D = 2 and 4 run one compiled variant), so its rows share one key across D
+        key = (family, dtype_name, history, None if path_.startswith("replay_write_through_verify") else d,
+               path_.replace(f"advance(window={d})", "advance"))
         if impl_ == "ours-replay":
             spread_cursors()
         if impl_ == "ours-replay" and key not in resources:  # first call of this path: what ptxas gave it
