@@ -127,12 +127,14 @@ there: KDA float32 L = 32 1.71 / 1.51x at 56, 1.65 / 1.63x at 64 (a tie), 1.80-1
 float32 L = 64 write-through 1.61-1.68x, output-only 1.08-1.43x; bfloat16 GDN L = 64 1.16-1.21 / 0.96-1.24x
 below 128 (a tie or a few per cent). D = 4 at those batches and below them (bench/results/replay/
 verify_tiles_20261207, commit 9a21fe3, H100, side by side) moved float32 GDN L = 32 again, with the wide output
-tile from 40 requests (:data:`WIDE_VERIFY_FROM`): write-through / output-only (wide) D = 2 1.62 / 1.35x at 24,
-1.67 / 1.73x at 32, 1.63 / 1.88x at 40, 1.66 / 2.10x at 48; D = 4 1.58 / 1.31x at 24, 1.61 / 1.69x at 32,
-1.59-1.62 / 1.87-1.92x at 40, 1.61-1.64 / 2.08-2.12x at 48, so from 40 (32 a few per cent). L = 64 held at D = 4:
-write-through 1.61-1.67x from 40 to 64, output-only 1.55-1.67x there (a tie at 64), 1.97 / 2.07 / 2.05x at 96 /
-112 / 128 against 1.68-1.71x. A history of L < 16 takes L = 16's bound; a state of 2-byte elements (bfloat16,
-float16) the bfloat16 row."""
+tile from 40 requests (:data:`WIDE_VERIFY_FROM`): write-through / output-only (wide) D = 2 1.56-1.59 / 1.35x at
+24, 1.67 / 1.73x at 32, 1.62-1.63 / 1.88x at 40, 1.66 / 2.10x at 48; D = 4 1.57-1.58 / 1.31x at 24, 1.61-1.62 /
+1.69x at 32, 1.59-1.62 / 1.87-1.92x at 40, 1.61-1.64 / 2.08-2.12x at 48, so from 40 (32 a few per cent). L = 64
+held at D = 4: write-through 1.61-1.67x from 40 to 64, output-only 1.55-1.67x there (a tie at 64), 1.97 / 2.07 / 2.05x
+at 96 / 112 / 128 against 1.68-1.71x. Same directory (commit 07da41b): bfloat16 KDA L = 32 from 96 (was 32): output-only
+0.89-1.02x native at 32-48 requests (below native at 40, and at 32 / 48 for D = 4), the write-through 1.02-1.09x; level
+at 64 / 80 (1.02-1.06 / 1.03-1.07x), output-only 1.11-1.12 / 1.05-1.08x at 96, 1.15-1.28 / 1.04-1.08x at 128-256. A
+history of L < 16 takes L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
 
 
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
@@ -251,9 +253,9 @@ only) wide 1.73 / 1.69x (D = 2 / 4) at 32, 1.88 / 1.92x at 40, 2.10 / 2.12x at 4
 narrow's 1.84 / 1.73x there: so wide from 40 for both (at 32 a tie or a few per cent either way). L = 64 (D = 4,
 same run as :data:`WRITE_THROUGH_VERIFY_BELOW`'s D = 4 check) narrow / wide 1.55 / 1.41x at 40, 1.61 / 1.55x at
 48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. The others below 64 (same directory, commit 07da41b, batch
-32-56, narrow / wide output-only): KDA float32 L = 16 D = 2 1.92 / 1.85x at 32, 2.00-2.07 / 2.07-2.17x at 40-56,
+32-56, narrow / wide output-only): KDA float32 L = 16 D = 2 1.92 / 1.85x at 32, 1.98-2.07 / 2.07-2.17x at 40-56,
 D = 4 2.03 / 2.09x at 32, 1.89-2.03 / 1.92-2.13x at 40-56, so from 40; L = 32 narrow or the write-through ahead
-(wide 1.28-1.54x against 1.55-1.69x) but D = 4 at 56 (wide 1.69x, the write-through 1.63x). bfloat16 L = 16 wide
+(wide 1.28-1.54x against 1.55-1.68x) but D = 4 at 56 (wide 1.69x, the write-through 1.63x). bfloat16 L = 16 wide
 ahead from 32: GDN D = 2 1.46-1.56 / 1.53-1.68x, D = 4 1.43-1.54 / 1.49-1.75x; KDA D = 2 1.27-1.37 / 1.28-1.45x,
 D = 4 1.16-1.26 / 1.23-1.38x; L = 32 narrow ahead or level (GDN 1.12-1.48 / 1.08-1.44x). A history of L < 16 takes
 L = 16's bound; a state of 2-byte elements the bfloat16 row."""
