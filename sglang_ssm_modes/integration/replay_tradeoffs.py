@@ -68,6 +68,10 @@ LOW_PRECISION_DECODE = ("where plain decode or a speculative verify writes throu
                         "native's drift over 10 000 tokens)")
 VERIFY_SOURCE = "bench/results/replay/writethrough_verify_20261205, commits 08d2506 and 7f7be68, H100"
 """Where the chain-verify figures come from: both paths side by side with native in one run, D = 2 and 4."""
+VERIFY_TILES_SOURCE = ("bench/results/replay/verify_tiles_20261207, commits 9a21fe3, 07da41b and abfa856, "
+                       "and h100_20261207_9a21fe3, H100")
+"""Where the verify figures measured with a verify's output tile per key come from (``served.WIDE_VERIFY_FROM``):
+both paths and both tiles side by side with native, D = 2 and 4, batch 16-256."""
 WRITE_THROUGH_VERIFY = ("a write-through verify is SGLang's verify + scatter in one launch (the scatter deferred "
                         "into the next verify, no per-step states; outputs and committed state native's bits)")
 WRITE_THROUGH_VERIFY_SPEED = {
@@ -83,18 +87,18 @@ WRITE_THROUGH_VERIFY_SPEED = {
 steady write-through folds only the last round's records, so one figure for every L)."""
 OUTPUT_ONLY_VERIFY = {
     ("gdn", 16, 4): ("2.16-2.90x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
-    ("kda", 16, 4): ("1.94-2.40x native from 32 to 256 requests", VERIFY_SOURCE),
-    ("gdn", 32, 4): ("1.87-1.92x native at 40 requests, 2.08-2.27x at 48-56 (D = 2 and 4, the write-through "
-                     "1.59-1.68x: bench/results/replay/verify_tiles_20261207, H100), 2.39-2.73x from 64 to 256 "
-                     "(D = 4)", KEY_HEAD_SOURCE),
+    ("kda", 16, 4): ("1.90-2.17x native at 32-56 requests, 2.14-2.40x from 64 to 256 (D = 2 and 4)",
+                     VERIFY_TILES_SOURCE),
+    ("gdn", 32, 4): ("1.85-1.92x native at 40 requests, 2.06-2.30x at 48-56 (D = 2 and 4; the write-through "
+                     "1.59-1.68x there), 2.33-2.74x from 64 to 256", VERIFY_TILES_SOURCE),
     ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests", VERIFY_SOURCE),
     ("gdn", 64, 4): ("1.82-1.95x native at 96-112 requests (D = 2, the write-through 1.65-1.67x: bench/results/"
                      "replay/verify_bounds_20261207, H100), 2.06-2.16x at 128-256 (D = 4)", KEY_HEAD_SOURCE),
     ("gdn", 16, 2): ("1.44-2.04x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
     ("kda", 16, 2): ("1.24-1.71x native from 32 to 256 requests", VERIFY_SOURCE),
     ("gdn", 32, 2): ("1.14-1.58x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
-    ("kda", 32, 2): ("1.11-1.28x native from 96 to 256 requests (D = 2 and 4, the write-through 1.04-1.08x: "
-                     "bench/results/replay/verify_tiles_20261207, H100)", VERIFY_SOURCE),
+    ("kda", 32, 2): ("1.11-1.28x native from 96 to 256 requests (D = 2 and 4; the write-through 1.04-1.08x "
+                     "there)", VERIFY_TILES_SOURCE),
     ("gdn", 64, 2): ("1.18-1.27x native at 128-256 requests (D = 4)", KEY_HEAD_SOURCE),
 }
 """A speculative round served output-only (from ``ops.replay.served.WRITE_THROUGH_VERIFY_BELOW`` requests

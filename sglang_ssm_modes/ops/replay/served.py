@@ -22,9 +22,9 @@ import torch
 
 
 def state_bytes(state_dtype: torch.dtype) -> int:
-    """The state-bytes column of :data:`WIDE_DECODE_FROM`, :data:`WRITE_THROUGH_BELOW` and
-    :data:`WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or
-    2 (bfloat16, float16)."""
+    """The state-bytes column of :data:`WIDE_DECODE_FROM`, :data:`WIDE_VERIFY_FROM`, :data:`WRITE_THROUGH_BELOW`
+    and :data:`WRITE_THROUGH_VERIFY_BELOW` a pool of ``state_dtype`` is measured under: 4 (float32) or 2 (bfloat16,
+    float16)."""
     return 4 if state_dtype.itemsize >= 4 else 2
 
 
@@ -34,7 +34,7 @@ MEASURED_HISTORIES = (16, 32, 64)
 
 def measured_key(is_kda: bool, history: int, state_dtype: torch.dtype) -> tuple[str, int, int]:
     """The ``(family, history, state bytes)`` row of the measured bound tables (:data:`WIDE_DECODE_FROM`,
-    :data:`WRITE_THROUGH_BELOW`, :data:`WRITE_THROUGH_VERIFY_BELOW`) a replay ring of
+    :data:`WIDE_VERIFY_FROM`, :data:`WRITE_THROUGH_BELOW`, :data:`WRITE_THROUGH_VERIFY_BELOW`) a replay ring of
     ``history`` records and a ``state_dtype`` pool is served by; a history between or beyond the measured ones
     is a ``ValueError`` (the server offers ``--ssm-replay-history`` 8, 16, 32 or 64 only)."""
     measured = max(history, MEASURED_HISTORIES[0])
@@ -129,7 +129,7 @@ below 128 (a tie or a few per cent). D = 4 at those batches and below them (benc
 verify_tiles_20261207, commit 9a21fe3, H100, side by side) moved float32 GDN L = 32 again, with the wide output
 tile from 40 requests (:data:`WIDE_VERIFY_FROM`): write-through / output-only (wide) D = 2 1.56-1.59 / 1.35x at
 24, 1.67 / 1.73x at 32, 1.62-1.63 / 1.88x at 40, 1.66 / 2.10x at 48; D = 4 1.57-1.58 / 1.31x at 24, 1.61-1.62 /
-1.69x at 32, 1.59-1.62 / 1.87-1.92x at 40, 1.61-1.64 / 2.08-2.12x at 48, so from 40 (32 a few per cent). L = 64
+1.69x at 32, 1.59-1.62 / 1.87-1.92x at 40, 1.61-1.65 / 2.08-2.12x at 48, so from 40 (32 a few per cent). L = 64
 held at D = 4: write-through 1.61-1.67x from 40 to 64, output-only 1.55-1.67x there (a tie at 64), 1.97 / 2.07 / 2.05x
 at 96 / 112 / 128 against 1.68-1.71x. Same directory (commit 07da41b): bfloat16 KDA L = 32 from 96 (was 32): output-only
 0.89-1.02x native at 32-48 requests (below native at 40, and at 32 / 48 for D = 4), the write-through 1.02-1.09x; level
@@ -245,20 +245,20 @@ tilings side by side in each run) wide was faster from 64 requests on: decode 1.
 requests and fewer but D = 4 at 32 (wide 1.06 / 1.02x). On an H100 (bench/results/replay/verify_bounds_20261207,
 commit d04da19, D = 2 at L = 32 / 64) wide was as fast or faster from 64 requests (narrow's µs over wide's
 0.98-1.39, float32 L = 64 at 64 requests 0.95-0.97) and slower at 56 but for a float32 L = 32 state (GDN 1.21, KDA
-1.03; the others 0.91-0.96). Below 64 for float32 GDN (bench/results/replay/verify_tiles_20261207, commit
-9a21fe3, H100, speedup of a round over SGLang's verify + scatter, both tiles output-only side by side, batch
-16-56): L = 16 narrow / wide D = 2 2.13 / 2.06x at 32, 2.20 / 2.32, 2.22 / 2.42, 2.23 / 2.40x at 40 / 48 / 56;
-D = 4 2.16 / 2.33x at 32, 2.16 / 2.31, 2.27 / 2.50, 2.30 / 2.55x at 40 / 48 / 56; L = 32 (narrow timed at 56
-only) wide 1.73 / 1.69x (D = 2 / 4) at 32, 1.88 / 1.92x at 40, 2.10 / 2.12x at 48, 2.24 / 2.27x at 56 against
-narrow's 1.84 / 1.73x there: so wide from 40 for both (at 32 a tie or a few per cent either way). L = 64 (D = 4,
-same run as :data:`WRITE_THROUGH_VERIFY_BELOW`'s D = 4 check) narrow / wide 1.55 / 1.41x at 40, 1.61 / 1.55x at
-48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. The others below 64 (same directory, commit 07da41b, batch
-32-56, narrow / wide output-only): KDA float32 L = 16 D = 2 1.92 / 1.85x at 32, 1.98-2.07 / 2.07-2.17x at 40-56,
-D = 4 2.03 / 2.09x at 32, 1.89-2.03 / 1.92-2.13x at 40-56, so from 40; L = 32 narrow or the write-through ahead
-(wide 1.28-1.54x against 1.55-1.68x) but D = 4 at 56 (wide 1.69x, the write-through 1.63x). bfloat16 L = 16 wide
-ahead from 32: GDN D = 2 1.46-1.56 / 1.53-1.68x, D = 4 1.43-1.54 / 1.49-1.75x; KDA D = 2 1.27-1.37 / 1.28-1.45x,
-D = 4 1.16-1.26 / 1.23-1.38x; L = 32 narrow ahead or level (GDN 1.12-1.48 / 1.08-1.44x). A history of L < 16 takes
-L = 16's bound; a state of 2-byte elements the bfloat16 row."""
+1.03; the others 0.91-0.96). Below 64 for float32 GDN (bench/results/replay/verify_tiles_20261207, commit 9a21fe3, H100,
+speedup of a round over SGLang's verify + scatter, both tiles output-only side by side, batch 16-56, narrow / wide): L =
+16 D = 2 2.12 / 2.06x at 32, 2.20 / 2.32, 2.21 / 2.42, 2.24 / 2.40x at 40 / 48 / 56; D = 4 2.17 / 2.33x at 32, 2.18 /
+2.31, 2.26 / 2.50, 2.30 / 2.55x at 40 / 48 / 56; L = 32 D = 2 1.73 / 1.73x at 32, 1.70 / 1.88, 1.78 / 2.10, 1.84 / 2.24x
+at 40 / 48 / 56; D = 4 1.48 / 1.69x at 32, 1.53-1.56 / 1.87-1.92, 1.61-1.63 / 2.08-2.12, 1.73-1.74 / 2.27-2.29x at 40 /
+48 / 56: so wide from 40 for both (at 32 L = 16 D = 2 is a few per cent faster narrow; a verify below 40 at L = 32
+writes through, :data:`WRITE_THROUGH_VERIFY_BELOW`). L = 64 (D = 4, same run as :data:`WRITE_THROUGH_VERIFY_BELOW`'s D =
+4 check) 1.55 / 1.41x at 40, 1.61 / 1.55x at 48, 1.60 / 1.59x at 56, 1.63 / 1.67x at 64: from 64. The others below 64
+(same directory, commit 07da41b, batch 32-56, the served narrow tile / wide): KDA float32 L = 16 D = 2 1.92 / 1.85x at
+32, 1.98-2.07 / 2.07-2.17x at 40-56, D = 4 2.03 / 2.09x at 32, 1.89-2.03 / 1.92-2.13x at 40-56, so from 40; L = 32 the
+write-through ahead (wide 1.28-1.54x against 1.55-1.69x) but D = 4 at 56 (wide 1.69x, the write-through 1.63x). bfloat16
+L = 16 wide ahead from 32: GDN D = 2 1.46-1.56 / 1.53-1.68x, D = 4 1.43-1.54 / 1.49-1.75x; KDA D = 2 1.27-1.37 /
+1.28-1.45x, D = 4 1.16-1.26 / 1.23-1.38x; L = 32 narrow ahead or level (GDN 1.12-1.48 / 1.08-1.44x). A history of L < 16
+takes L = 16's bound; a state of 2-byte elements the bfloat16 row."""
 
 
 WIDE_DECODE_FROM = {
@@ -273,7 +273,7 @@ on an H100 (bench/results/replay/decode_tiling_20261206, commit 7d73792, batch 6
 wide): the wide tile loses at long histories — float32 GDN L = 32 61.9 / 81.8 µs at 64 requests,
 95.3 / 97.5 at 96, 109.3 / 104.8 at 112; L = 64 narrow faster at every batch (103.2 / 118.3 at 64, 261.6 / 279.6
 at 256); KDA L = 32 every batch (123.9 / 133.2 at 128, 257.3 / 272.6 at 256), L = 64 narrow or level. At L = 16
-wide from 64 as for a verify (GDN 60.5 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
+wide from 64 (GDN 60.5 against 64.3 µs at 64). bfloat16: GDN L = 16 wide from 80 (47.7 / 54.2 µs
 narrow at 64, 60.6 / 57.8 at 80), L = 32 from 112 (69.8 / 69.0 at 96, 79.0 / 72.9 at 112), KDA L = 16 from 80,
 L = 32 from 192 (97.3 / 98.7 at 128, 145.6 / 139.6 at 192); L = 64 narrow at every batch. A history of L < 16
 takes L = 16's bound; a state of 2-byte elements the bfloat16 row. What makes the history matter was not isolated:
