@@ -66,12 +66,13 @@ KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": 
 def record_bytes(family: str, act_bytes: int = 2) -> dict[str, int]:
     """One token's replay record per request and layer, in bytes: ``"all"`` (written: u, normalised k, g, beta,
     raw k, raw v), ``"hot"`` (what an output-only step reads of each history record: u by the output launch,
-    normalised k and g by the window launch) and ``"fold"`` (what a fold reads: raw k, raw v, g, beta)."""
+    normalised k and g by the window launch), ``"hot_raw_keys"`` (the same with the window launch reading the raw
+    keys, ``replay_verify(window_raw_keys=True)``) and ``"fold"`` (what a fold reads: raw k, raw v, g, beta)."""
     hk, hv = FAMILIES[family]["hk"], FAMILIES[family]["hv"]
     g = hv * (K if family == "kda" else 1) * 4
     raw = hk * K * act_bytes + hv * V * act_bytes
     return {"all": hv * V * 4 + hk * K * 4 + g + hv * 4 + raw, "hot": hv * V * 4 + hk * K * 4 + g,
-            "fold": raw + g + hv * 4}
+            "hot_raw_keys": hv * V * 4 + hk * K * act_bytes + g, "fold": raw + g + hv * 4}
 
 
 def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("served", {}),), resources=None,
@@ -88,9 +89,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
                                              replay_verify, replay_write_through, replay_write_through_verify)
-    from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, WRITE_THROUGH_VERIFY_PREFETCH,
-                                                    output_tiling, served_launches, serves_write_through,
-                                                    serves_write_through_verify, write_through_block_v)
+    from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, SERVED_WINDOW_RAW_KEYS,
+                                                    WRITE_THROUGH_VERIFY_PREFETCH, output_tiling, served_launches,
+                                                    serves_write_through, serves_write_through_verify,
+                                                    write_through_block_v)
     from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
     from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 
@@ -189,21 +191,26 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
         if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
-            return replay_bytes  # the window's written
+            return output_only_bytes(variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS))  # the window's written
         return 2 * batch * state_bytes + (batch * d * rec["all"] + int(accepted.sum()) * rec["fold"]) * (d > 1)
 
     def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
         launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
         if launches == 1:
             return "step"
-        return "window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
+        return ("window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
+                + (" raw keys" if variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS) else ""))
 
     mean_hist = (history - d) / 2  # spread cursors: 0 .. L - D records
     # the checkpoint and the history's hot words read, the window's records written, and a fold's share: the
     # state read and written once more, the full history's raw records read (the window launch's scratch not
     # counted: two launches' artifact, not a byte replay must move)
-    replay_bytes = batch * (state_bytes + mean_hist * rec["hot"] + d * rec["all"]
-                            + fold_share * (2 * state_bytes + history * rec["fold"]))
+    def output_only_bytes(raw_keys):  # the history's keys read raw (by a window launch) or normalised
+        hot = rec["hot_raw_keys" if raw_keys else "hot"]
+        return batch * (state_bytes + mean_hist * hot + d * rec["all"]
+                        + fold_share * (2 * state_bytes + history * rec["fold"]))
+
+    replay_bytes = output_only_bytes(False)
     if d == 1:
         mixed = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)[0]
         out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")
@@ -341,6 +348,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
             elif opt in ("keyhead", "valuehead"):  # two launches: the window launch's option
                 kw["window_key_heads"] = opt == "keyhead"
                 kw.setdefault("launches", 2)
+            elif opt in ("rawkeys", "normkeys"):  # two launches: the window launch's option
+                kw["window_raw_keys"] = opt == "rawkeys"
+                kw.setdefault("launches", 2)
             elif opt in ("through", "nothrough"):
                 kw["write_through"] = opt == "through"
             elif opt in ("stepcursor", "layercursor"):
@@ -352,7 +362,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
                              ":sN (num_stages: 1-4), :keyhead / :valuehead (a window program per key head, GDN's "
-                             "served choice, or per value head; two launches), :fma, "
+                             "served choice, or per value head; two launches), :rawkeys / :normkeys (the window "
+                             "launch renormalising the history's raw keys or reading the normalised ones; two "
+                             "launches), :fma, "
                              ":dot, :inorder, :foldfirst, :one (one launch), "
                              ":two (window, then output), :pdl / :nopdl (the output launch overlapping the window "
                              "launch or after it), :through / :nothrough (written through or output-only), "
@@ -360,8 +372,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                              "write-through verify loading each draft token's inputs during the previous token's "
                              "step, or not; else as served), :stepcursor / :layercursor (an output-only decode's "
                              "cursors settled once a step, as served, or after each layer's decode)")
-        if "window_key_heads" in kw and kw["launches"] == 1:
-            parser.error(f"--variants {value}: :keyhead / :valuehead tile the window launch of two; drop :one")
+        if ("window_key_heads" in kw or "window_raw_keys" in kw) and kw["launches"] == 1:
+            parser.error(f"--variants {value}: :keyhead / :valuehead / :rawkeys / :normkeys tile the window launch of "
+                         "two; drop :one")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
             if others:
@@ -465,8 +478,9 @@ def main(argv=None) -> int:
                         "(served: ops.replay.served.output_tiling, by requests per launch, tokens, family, "
                         "history and state dtype) or fixed (block_v x "
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
-                        "key head or per value head (:keyhead / :valuehead; served: per key head), the checkpoint "
-                        "rows per step of "
+                        "key head or per value head (:keyhead / :valuehead; served: per key head) and reading the "
+                        "history's raw keys or its normalised ones (:rawkeys / :normkeys; default: "
+                        "ops.replay.served.SERVED_WINDOW_RAW_KEYS), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "

@@ -60,17 +60,21 @@ def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int, num_s
 
 
 def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, tiling: tuple,
-                            draft_tokens: int = 4, one_launch: bool = False) -> dict[str, tuple[int, int]]:
+                            draft_tokens: int = 4, one_launch: bool = False,
+                            raw_keys: bool | None = None) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
     (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on; both
     with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.served.SERVED_PDL` serves it);
-    with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling."""
+    with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling; ``raw_keys``: the
+    window kernel renormalising the history's raw keys (default: the served
+    :data:`~sglang_ssm_modes.ops.replay.served.SERVED_WINDOW_RAW_KEYS`)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.served import SERVED_PDL, served_window_key_heads, served_window_warps
+    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, SERVED_WINDOW_RAW_KEYS, served_window_key_heads,
+                                                    served_window_warps)
     from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel)
 
@@ -86,7 +90,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
              KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
-             PDL=SERVED_PDL),
+             PDL=SERVED_PDL, RAW_KEYS=SERVED_WINDOW_RAW_KEYS if raw_keys is None else raw_keys),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
@@ -185,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch", action="store_true",
                    help="the verifies loading each token's inputs one step ahead (not served): the write-through verify "
                         "and, with --verify-window, compact's")
+    p.add_argument("--raw-keys", action="store_true",
+                   help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys)")
     p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
                    help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
                         "ops.compact.FAST_VERIFY_TILE), chain and tree")
@@ -211,7 +217,8 @@ def main(argv=None) -> int:
           + " |\n|---|---|---|---|---|" + "---|" * len(kernels))
     for fam, dt, L, fold, (name, tiling) in itertools.product(args.families, args.state_dtypes, args.histories,
                                                               args.fold, tilings):
-        res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch)
+        res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch,
+                                      args.raw_keys or None)
         if args.write_through:
             res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1, args.prefetch)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",

@@ -170,7 +170,7 @@ def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
 
 def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
     """A ring of ``n`` slots filled with seeded random records (drawn on the CPU: the same bits on any device),
-    every cursor at ``count``."""
+    every cursor at ``count``; each normalised key is its raw key's L2 normalisation, as the kernels record them."""
     ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
     ring.count.fill_(count)
     gen = torch.Generator().manual_seed(seed)
@@ -179,6 +179,8 @@ def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     ring.beta.copy_(torch.rand(ring.beta.shape, generator=gen))
     ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
+    raw = ring.k_raw.float()
+    ring.k_norm.copy_(raw / torch.sqrt((raw * raw).sum(-1, keepdim=True) + 1e-6))
     return ring
 
 
@@ -186,7 +188,8 @@ def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches`` /
-    ``window_key_heads`` (what the benchmark sweeps) tile the launches; checkpoints (a fused fold included) and every ring record but
+    ``window_key_heads`` / ``window_raw_keys`` (what the benchmark sweeps) tile the launches; checkpoints (a fused
+    fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
     a fold (folds replay the raw records)."""
@@ -207,8 +210,12 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=16, num_warps=1, launches=1),  # the one-launch kernel ...
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1),  # ... wide, two K steps
+                    dict(block_v=16, num_warps=1, window_raw_keys=True, **two),  # the history's raw keys renormalised
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, window_raw_keys=True, fold_first=True,
+                         **two),
                     *((dict(block_v=16, num_warps=1, window_key_heads=True, **two),  # GDN: a window program per key
-                       dict(block_v=16, num_warps=1, window_key_heads=True, fold_first=True, **two))  # head
+                       dict(block_v=16, num_warps=1, window_key_heads=True, fold_first=True, **two),  # head
+                       dict(block_v=16, num_warps=1, window_key_heads=True, window_raw_keys=True, **two))
                       if family == "gdn" else ())):
         ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)  # every request folds in the launch
         p = pool.to(DEVICE).clone()
@@ -240,9 +247,47 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_key_heads=True,
                       launches=2 if family == "kda" else 1)
+    with pytest.raises(ValueError, match="window_raw_keys"):  # the one-launch kernel reads the normalised keys
+        replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                      state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_raw_keys=True, launches=1)
     with pytest.raises(ValueError, match="window_warps 3"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
+
+
+@pytest.mark.parametrize("family,hk,hv,key_heads", [("gdn", 2, 4, False), ("gdn", 2, 4, True), ("kda", 2, 2, False)])
+def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads):
+    """``window_raw_keys``: the window launch takes the history's keys from the raw records alone — with every
+    stored normalised history key wiped, its outputs, checkpoints and records are those of the stored keys' launch
+    on an intact ring (outputs and ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes
+    wrong. No request folds (a fold replays the raw records either way): the window reads 5 history records."""
+    n, d, L, kdim, vdim = 3, 2, 8, 32, 16
+    params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    inp = to_device(flat_inputs(x, family, n, d), DEVICE)
+    runs = {}
+    for name, raw_keys, wiped in (("stored", False, False), ("raw", True, True), ("stored-wiped", False, True)):
+        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53)  # a history the window reads
+        if wiped:
+            ring.k_norm.zero_()
+        p = pool.to(DEVICE).clone()
+        o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                          inp["b"], p, state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", launches=2,
+                          window_key_heads=key_heads, window_raw_keys=raw_keys)
+        runs[name] = (o.float(), p, ring.buffers())
+    (o0, p0, b0), (o1, p1, b1), (o2, _, _) = runs["stored"], runs["raw"], runs["stored-wiped"]
+    assert torch.equal(p1, p0)
+    for key in b0:
+        if key == "u":
+            torch.testing.assert_close(b1[key], b0[key], rtol=1e-5, atol=1e-6)
+        elif key == "k_norm":  # the window's own keys written alike (once per key head); the history stays wiped
+            written = b1[key].abs().sum(-1) > 0
+            assert written.sum() == int((state_idx >= 0).sum()) * d * hk  # real rows; a padding row writes nothing
+            assert torch.equal(b1[key][written], b0[key][written])
+        else:
+            assert torch.equal(b1[key], b0[key]), key
+    torch.testing.assert_close(o1, o0, rtol=1e-2, atol=1e-2)  # bf16 outputs
+    assert (o2 - o0).abs().max() > 10 * (o1 - o0).abs().max() + 1e-2
 
 
 @pytest.mark.parametrize("hk,hv,d", [(1, 3, 1), (2, 4, 3), (2, 2, 2)])
@@ -528,15 +573,18 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 @pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 4, "served"), (64, 4, "served"),
                                         (16, 1, "wide"), (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"),
-                                        (16, 4, "wide:one")])
+                                        (16, 4, "wide:one"), (16, 4, "rawkeys"), (64, 4, "rawkeys")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
     1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 40-64 requests
-    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel."""
+    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel; ``rawkeys``: the window
+    launch renormalising the history's raw keys (``window_raw_keys``)."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}
+    if tiling == "rawkeys":
+        tiling_options.update(launches=2, window_raw_keys=True)
     if tiling.startswith("wide"):
         tiling_options.update(zip(("block_v", "num_warps", "block_k", "num_stages"), WIDE_TILING))
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)

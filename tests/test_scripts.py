@@ -132,6 +132,11 @@ def test_bench_replay_variants_name_the_launch_options():
     assert bench_replay.parse_variants(p, ["served:keyhead", "32x1:valuehead:two"]) == [
         ("served:keyhead", dict(window_key_heads=True, launches=2)),
         ("32x1:valuehead:two", dict(block_v=32, num_warps=1, window_key_heads=False, launches=2))]
+    assert bench_replay.parse_variants(p, ["served:rawkeys", "16x1:normkeys"]) == [
+        ("served:rawkeys", dict(window_raw_keys=True, launches=2)),
+        ("16x1:normkeys", dict(block_v=16, num_warps=1, window_raw_keys=False, launches=2))]
+    with pytest.raises(SystemExit):  # the one-launch kernel has no window launch to read raw keys
+        bench_replay.parse_variants(p, ["served:rawkeys:one"])
     assert bench_replay.parse_variants(p, ["served:stepcursor", "served:layercursor"]) == [
         ("served:stepcursor", dict(cursor="step")), ("served:layercursor", dict(cursor="layer"))]
     with pytest.raises(SystemExit):  # a write-through leaves no cursor to settle
@@ -217,6 +222,7 @@ def test_record_bytes_match_the_sizing_model():
             num_v_heads=hv, num_k_heads=hk)
         # the hot path reads u and the normalised key, a fold the raw inputs and beta; both read g
         assert parts["hot"] == hv * 128 * 4 + hk * 128 * 4 + hv * kg * 4
+        assert parts["hot"] - parts["hot_raw_keys"] == hk * 128 * 2  # raw bfloat16 keys, not normalised float32
         assert parts["hot"] + parts["fold"] == parts["all"] + hv * kg * 4
 
 

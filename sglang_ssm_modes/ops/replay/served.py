@@ -6,9 +6,9 @@ choice: one place for the policy the kernels (:mod:`.verify`, :mod:`.write_throu
 * plain decode: written through below :data:`WRITE_THROUGH_BELOW` requests, output-only from there;
 * chain verify: written through below :data:`WRITE_THROUGH_VERIFY_BELOW`, output-only from there;
 * an output-only launch: one launch or two (:func:`served_launches`), the window launch per key head
-  (:func:`served_window_key_heads`) and its warps (:func:`served_window_warps`), the output launch's order
-  (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling (:func:`output_tiling`), no programmatic dependent launch
-  (:data:`SERVED_PDL`);
+  (:func:`served_window_key_heads`), its warps (:func:`served_window_warps`) and keys
+  (:data:`SERVED_WINDOW_RAW_KEYS`), the output launch's order (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling
+  (:func:`output_tiling`), no programmatic dependent launch (:data:`SERVED_PDL`);
 * a write-through's tile (:func:`write_through_block_v`, :data:`WRITE_THROUGH_V_MAJOR`,
   :data:`WRITE_THROUGH_VERIFY_PREFETCH`).
 
@@ -304,6 +304,15 @@ again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, 
 L = 16 0.977-0.999 of served's µs for decode (under 1 % from 128 requests) and 0.989-1.005 for D = 4; at L = 32
 and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in two runs), KDA D = 4 at L = 32
 1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
+
+
+SERVED_WINDOW_RAW_KEYS = False
+"""Whether a served window launch renormalises the history's raw keys (activation dtype) rather than reading the
+normalised float32 keys the ring also holds (:func:`~.verify.history_keys`): half the bytes of the history's keys,
+the window launch's largest read with GDN's scalar gates and half of it with KDA's per-channel ones (a KDA D = 4
+round at L = 16 and 256 requests spends 136 of its 578 µs there, bench/results/replay/h100_20261207_9a21fe3), for
+one more L2 norm per record. Not yet timed on a GPU (``bench_replay --variants served:rawkeys``): off until it
+is."""
 
 
 WRITE_THROUGH_BLOCK_V = 16

@@ -44,8 +44,8 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
                                store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
-from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_launches, served_window_key_heads,
-                     served_window_warps)
+from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, SERVED_WINDOW_RAW_KEYS, output_tiling, served_launches,
+                     served_window_key_heads, served_window_warps)
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def replay_window_kernel(
     stride_a, stride_q, stride_k, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
-    FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr,
+    FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr, RAW_KEYS: tl.constexpr,
 ):
     """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
     ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
@@ -113,7 +113,7 @@ def replay_window_kernel(
     the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
     anything written here). ``KEY_HEADS`` (GDN): one program per request and key head instead
     (:func:`window_key_head_program`; grid ``(N * H + FOLD_FIRST,)``, ``GP`` the next power of two of
-    ``HV // H``)."""
+    ``HV // H``). ``RAW_KEYS``: the history's keys renormalised from the raw records (:func:`history_keys`)."""
     i_nh = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -124,18 +124,20 @@ def replay_window_kernel(
             window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw,
                                     r_count, r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T,
                                     stride_a, stride_q, stride_k, stride_b, H, HV, K, L, TP, W, GP, BETA_ACTIVATED,
-                                    ROUND_BETA, FUSED_FOLD)
+                                    ROUND_BETA, FUSED_FOLD, RAW_KEYS)
     elif FOLD_FIRST:
         if i_nh == N * HV:
             fold_order_program(h0_indices, rec_indices, r_count, order, N, T, L, 256)
         else:
             window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                            r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
+                           stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
+                           RAW_KEYS)
     else:
         window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                        r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
-                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD)
+                       stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
+                       RAW_KEYS)
 
 
 @triton.jit
@@ -143,7 +145,7 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
                    rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_b,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
                    W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-                   FUSED_FOLD: tl.constexpr):
+                   FUSED_FOLD: tl.constexpr, RAW_KEYS: tl.constexpr):
     """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
@@ -180,7 +182,7 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
         b_gsum = tl.sum(b_gh, 0)
         b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
         b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
-    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
+    b_kh = history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H, K, RAW_KEYS)
     b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
 
     b_Gt = b_Gc
@@ -201,7 +203,7 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
                             r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
                             stride_k, stride_b, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
                             TP: tl.constexpr, W: tl.constexpr, GP: tl.constexpr, BETA_ACTIVATED: tl.constexpr,
-                            ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr):
+                            ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr, RAW_KEYS: tl.constexpr):
     """GDN window program ``i_nh`` for request ``i_nh // H`` and key head ``i_nh % H``: what
     :func:`window_program` writes for each of the key head's ``G = HV // H`` value heads (``proj`` rows,
     g and beta records; normalised and raw k once), with the history's keys read once. GDN's gate is one
@@ -224,7 +226,7 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
     # the history's keys (once), each value head's decays to the end of the history and total log-decay
     m_l = o_l < c
     p_rec = rec0 + o_l
-    b_kh = tl.load(r_kn + (p_rec[:, None] * H + i_h) * K + o_k[None, :], mask=m_l[:, None], other=0)
+    b_kh = history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H, K, RAW_KEYS)
     b_gh = tl.load(r_g + p_rec[None, :] * HV + i_hvs[:, None], mask=m_l[None, :], other=0)  # [GP, L]
     b_Gt = tl.sum(b_gh, 1)
     b_dec = tl.exp(b_Gt[:, None] - tl.cumsum(b_gh, 1))
@@ -274,6 +276,19 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
         tl.store(r_beta + pos * HV + i_hvs, b_beta, mask=writes & live)
         b_kw = tl.where(o_t[:, None] == t, b_k[None, :], b_kw)
         b_Gws = tl.where(o_t[None, :] == t, b_Gw[:, None], b_Gws)
+
+
+@triton.jit
+def history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H: tl.constexpr, K: tl.constexpr, RAW_KEYS: tl.constexpr):
+    """The history's normalised keys ``[L, K]`` float32 of key head ``i_h`` at ring positions ``p_rec`` ``[L]``
+    (rows where ``m_l`` is false: 0): as stored (``r_kn``, float32) or, with ``RAW_KEYS``, renormalised from the raw
+    keys (``r_kraw``, activation dtype: half the bytes read) as :func:`~..delta_rule_step.l2normalize` normalised them
+    when the record was written (the same values up to the order of the sum: float32 rounding)."""
+    p_k = (p_rec[:, None] * H + i_h) * K + o_k[None, :]
+    if RAW_KEYS:
+        b_raw = tl.load(r_kraw + p_k, mask=m_l[:, None], other=0).to(tl.float32)
+        return b_raw / tl.sqrt(tl.sum(b_raw * b_raw, 1) + 1e-6)[:, None]
+    return tl.load(r_kn + p_k, mask=m_l[:, None], other=0)
 
 
 @triton.jit
@@ -641,7 +656,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  window_key_heads: bool | None = None) -> torch.Tensor:
+                  window_key_heads: bool | None = None, window_raw_keys: bool | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -666,7 +681,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     projects the checkpoint tile on tensor cores (tf32x3; default for T > 1, needs ``block_v >= 16`` and
     ``block_k >= 16``) or on CUDA cores. ``window_key_heads`` (GDN, two launches): one window program per request
     and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
-    heads) or one per value head (default: :func:`~.served.served_window_key_heads`). Checkpoints and every record
+    heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
+    launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
+    (:func:`history_keys`; default :data:`~.served.SERVED_WINDOW_RAW_KEYS`). Checkpoints and every record
     but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. A padding row is
     negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
     a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
@@ -719,6 +736,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
+    window_raw_keys = SERVED_WINDOW_RAW_KEYS if window_raw_keys is None else window_raw_keys
+    if window_raw_keys and launches != 2:
+        raise ValueError("window_raw_keys: the window launch of two reads the history's raw keys; the one-launch "
+                         "kernel reads the stored normalised ones (pass launches=2 or window_raw_keys=False)")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
@@ -742,7 +763,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
         FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, KEY_HEADS=window_key_heads,
-        GP=triton.next_power_of_2(hv // hk), PDL=pdl, num_warps=window_warps, num_stages=1)
+        GP=triton.next_power_of_2(hv // hk), PDL=pdl, RAW_KEYS=window_raw_keys, num_warps=window_warps, num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
