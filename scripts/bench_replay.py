@@ -191,15 +191,20 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
 
     def fused_bytes(variant):  # decode write-through: native's bytes (in the timed steady state no history is
         if not writes_through(variant):  # left); verify: the state read and written, the accepted records read,
-            return output_only_bytes(variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS))  # the window's written
+            return output_only_bytes(reads_raw_keys(variant))  # the window's written
         return 2 * batch * state_bytes + (batch * d * rec["all"] + int(accepted.sum()) * rec["fold"]) * (d > 1)
 
-    def launch_label(variant):  # the kernels a verify call runs: its own launches, else the served choice
-        launches = variant.get("launches") or served_launches(batch * d, is_kda, history)
-        if launches == 1:
+    def launches_of(variant):  # a verify call's launches: its own, else the served choice
+        return variant.get("launches") or served_launches(batch * d, is_kda, history)
+
+    def reads_raw_keys(variant):  # a window launch (of two) renormalising the history's raw keys
+        return launches_of(variant) == 2 and variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS)
+
+    def launch_label(variant):  # the kernels a verify call runs
+        if launches_of(variant) == 1:
             return "step"
         return ("window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
-                + (" raw keys" if variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS) else ""))
+                + (" raw keys" if reads_raw_keys(variant) else ""))
 
     mean_hist = (history - d) / 2  # spread cursors: 0 .. L - D records
     # the checkpoint and the history's hot words read, the window's records written, and a fold's share: the
@@ -210,7 +215,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         return batch * (state_bytes + mean_hist * hot + d * rec["all"]
                         + fold_share * (2 * state_bytes + history * rec["fold"]))
 
-    replay_bytes = output_only_bytes(False)
+    replay_bytes = output_only_bytes(reads_raw_keys({}))
     if d == 1:
         mixed = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)[0]
         out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device="cuda")

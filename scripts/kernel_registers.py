@@ -189,8 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch", action="store_true",
                    help="the verifies loading each token's inputs one step ahead (not served): the write-through verify "
                         "and, with --verify-window, compact's")
-    p.add_argument("--raw-keys", action="store_true",
-                   help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys)")
+    p.add_argument("--window-keys", choices=["served", "raw", "normalised"], default="served",
+                   help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys) or "
+                        "reading the normalised ones (default: ops.replay.served.SERVED_WINDOW_RAW_KEYS)")
     p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
                    help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
                         "ops.compact.FAST_VERIFY_TILE), chain and tree")
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     for fam, dt, L, fold, (name, tiling) in itertools.product(args.families, args.state_dtypes, args.histories,
                                                               args.fold, tilings):
         res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch,
-                                      args.raw_keys or None)
+                                      {"served": None, "raw": True, "normalised": False}[args.window_keys])
         if args.write_through:
             res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1, args.prefetch)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",

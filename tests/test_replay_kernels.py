@@ -217,7 +217,8 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                        dict(block_v=16, num_warps=1, window_key_heads=True, fold_first=True, **two),  # head
                        dict(block_v=16, num_warps=1, window_key_heads=True, window_raw_keys=True, **two))
                       if family == "gdn" else ())):
-        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)  # every request folds in the launch
+        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)
+        ring.count.copy_(torch.tensor([L - 1, 1, L - d], dtype=torch.int32))  # one folds, the others read history
         p = pool.to(DEVICE).clone()
         inp = to_device(flat_inputs(x, family, n, d), DEVICE)
         o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -255,18 +256,23 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
-@pytest.mark.parametrize("family,hk,hv,key_heads", [("gdn", 2, 4, False), ("gdn", 2, 4, True), ("kda", 2, 2, False)])
-def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads):
-    """``window_raw_keys``: the window launch takes the history's keys from the raw records alone — with every
-    stored normalised history key wiped, its outputs, checkpoints and records are those of the stored keys' launch
-    on an intact ring (outputs and ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes
-    wrong. No request folds (a fold replays the raw records either way): the window reads 5 history records."""
+@pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"), ("gdn", 2, 4, True, "served"),
+                                                         ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
+def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, via, monkeypatch):
+    """``window_raw_keys`` (passed, or served: :data:`~.served.SERVED_WINDOW_RAW_KEYS` on): the window launch takes
+    the history's keys from the raw records alone — with every stored normalised history key wiped, its outputs,
+    checkpoints and records are those of the stored keys' launch on an intact ring (outputs and ``u`` to float32
+    rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
+    raw records either way): the window reads 5 history records."""
     n, d, L, kdim, vdim = 3, 2, 8, 32, 16
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     runs = {}
-    for name, raw_keys, wiped in (("stored", False, False), ("raw", True, True), ("stored-wiped", False, True)):
+    if via == "served":
+        monkeypatch.setattr(replay_verify_module, "SERVED_WINDOW_RAW_KEYS", True)
+    raw = True if via == "argument" else None
+    for name, raw_keys, wiped in (("stored", False, False), ("raw", raw, True), ("stored-wiped", False, True)):
         ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53)  # a history the window reads
         if wiped:
             ring.k_norm.zero_()
@@ -288,6 +294,16 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads):
             assert torch.equal(b1[key], b0[key]), key
     torch.testing.assert_close(o1, o0, rtol=1e-2, atol=1e-2)  # bf16 outputs
     assert (o2 - o0).abs().max() > 10 * (o1 - o0).abs().max() + 1e-2
+    if via == "served":  # the one-launch kernel, served where it is, reads the normalised keys: no refusal
+        served_one = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
+                                   inp["v"], inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE),
+                                   _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53), rec_idx,
+                                   is_kda=family == "kda", launches=1)
+        torch.testing.assert_close(served_one.float(), o0, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="activation dtype"):  # float32 keys, a bfloat16 ring
+        replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"].float(),
+                      inp["v"], inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE), ring, rec_idx,
+                      is_kda=family == "kda", launches=2, window_raw_keys=True)
 
 
 @pytest.mark.parametrize("hk,hv,d", [(1, 3, 1), (2, 4, 3), (2, 2, 2)])

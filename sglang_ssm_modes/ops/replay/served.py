@@ -311,8 +311,8 @@ SERVED_WINDOW_RAW_KEYS = False
 normalised float32 keys the ring also holds (:func:`~.verify.history_keys`): half the bytes of the history's keys,
 the window launch's largest read with GDN's scalar gates and half of it with KDA's per-channel ones (a KDA D = 4
 round at L = 16 and 256 requests spends 136 of its 578 µs there, bench/results/replay/h100_20261207_9a21fe3), for
-one more L2 norm per record. Not yet timed on a GPU (``bench_replay --variants served:rawkeys``): off until it
-is."""
+one more L2 norm per record; the one-launch kernel reads the normalised keys either way. Not yet timed on a GPU
+(``bench_replay --variants served:normkeys served:rawkeys``, both two launches): off until it is."""
 
 
 WRITE_THROUGH_BLOCK_V = 16

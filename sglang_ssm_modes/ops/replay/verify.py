@@ -683,7 +683,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
     launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
-    (:func:`history_keys`; default :data:`~.served.SERVED_WINDOW_RAW_KEYS`). Checkpoints and every record
+    (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :data:`~.served.SERVED_WINDOW_RAW_KEYS`
+    where two launches serve). Checkpoints and every record
     but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. A padding row is
     negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
     a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
@@ -736,10 +737,13 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
-    window_raw_keys = SERVED_WINDOW_RAW_KEYS if window_raw_keys is None else window_raw_keys
+    window_raw_keys = SERVED_WINDOW_RAW_KEYS and launches == 2 if window_raw_keys is None else window_raw_keys
     if window_raw_keys and launches != 2:
         raise ValueError("window_raw_keys: the window launch of two reads the history's raw keys; the one-launch "
                          "kernel reads the stored normalised ones (pass launches=2 or window_raw_keys=False)")
+    if window_raw_keys and k.dtype != ring.k_raw.dtype:
+        raise ValueError(f"window_raw_keys: keys of {k.dtype} recorded in a ring of {ring.k_raw.dtype} would not "
+                         "renormalise to the keys the window used; allocate the ring in the activation dtype")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps)
