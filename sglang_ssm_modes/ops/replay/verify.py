@@ -684,8 +684,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
     launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
     (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :data:`~.served.SERVED_WINDOW_RAW_KEYS`
-    where two launches serve). Checkpoints and every record
-    but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32 rounding. A padding row is
+    where two launches serve). Checkpoints and every record but ``u`` are the same bits for every choice; outputs
+    and ``u`` agree to float32 rounding. A padding row is
     negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
     a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
     slots only. Returns ``o`` ``[1, T_all, HV, V]``.
