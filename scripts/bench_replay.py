@@ -89,8 +89,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.native import native_verify
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
                                              replay_verify, replay_write_through, replay_write_through_verify)
-    from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, SERVED_WINDOW_RAW_KEYS,
-                                                    WRITE_THROUGH_VERIFY_PREFETCH, output_tiling, served_launches,
+    from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, WRITE_THROUGH_VERIFY_PREFETCH,
+                                                    output_tiling, served_launches, served_window_raw_keys,
                                                     serves_write_through, serves_write_through_verify,
                                                     write_through_block_v)
     from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
@@ -197,8 +197,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def launches_of(variant):  # a verify call's launches: its own, else the served choice
         return variant.get("launches") or served_launches(batch * d, is_kda, history)
 
-    def reads_raw_keys(variant):  # a window launch (of two) renormalising the history's raw keys
-        return launches_of(variant) == 2 and variant.get("window_raw_keys", SERVED_WINDOW_RAW_KEYS)
+    def reads_raw_keys(variant):  # a window launch (of two: parse_variants sets it) renormalising the raw keys
+        return variant.get("window_raw_keys", served_window_raw_keys(launches_of(variant)))
 
     def launch_label(variant):  # the kernels a verify call runs
         if launches_of(variant) == 1:

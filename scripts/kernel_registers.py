@@ -70,10 +70,10 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.served.SERVED_PDL` serves it);
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling; ``raw_keys``: the
     window kernel renormalising the history's raw keys (default: the served
-    :data:`~sglang_ssm_modes.ops.replay.served.SERVED_WINDOW_RAW_KEYS`)."""
+    :func:`~sglang_ssm_modes.ops.replay.served.served_window_raw_keys`)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, SERVED_WINDOW_RAW_KEYS, served_window_key_heads,
+    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_window_key_heads, served_window_raw_keys,
                                                     served_window_warps)
     from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel)
@@ -90,7 +90,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
              KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
-             PDL=SERVED_PDL, RAW_KEYS=SERVED_WINDOW_RAW_KEYS if raw_keys is None else raw_keys),
+             PDL=SERVED_PDL, RAW_KEYS=served_window_raw_keys(2) if raw_keys is None else raw_keys),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)

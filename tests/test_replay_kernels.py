@@ -14,7 +14,7 @@ from sglang_ssm_modes.ops.compact import CompactRecordBuffers, compact_verify
 from sglang_ssm_modes.ops.replay import ReplayRing, advance, after_fold, fold_needed, replay_fold, replay_verify
 from sglang_ssm_modes.ops.replay.write_through import replay_write_through_kernel
 from sglang_ssm_modes.ops.replay.fold import replay_fold_kernel
-from sglang_ssm_modes.ops.replay import verify as replay_verify_module
+from sglang_ssm_modes.ops.replay import served as served_module, verify as replay_verify_module
 from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, NARROW_TILING, ONE_LAUNCH_MAX_TOKENS,
                                                 WIDE_DECODE_FROM, WIDE_TILING, WIDE_VERIFY_FROM, output_tiling,
                                                 served_launches, served_window_key_heads)
@@ -270,7 +270,7 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     runs = {}
     if via == "served":
-        monkeypatch.setattr(replay_verify_module, "SERVED_WINDOW_RAW_KEYS", True)
+        monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", True)
     raw = True if via == "argument" else None
     for name, raw_keys, wiped in (("stored", False, False), ("raw", raw, True), ("stored-wiped", False, True)):
         ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53)  # a history the window reads

@@ -57,6 +57,12 @@ def l2normalize(b_x):
 
 
 @triton.jit
+def l2normalize_rows(b_x):
+    """Each row of ``b_x`` ``[R, K]`` normalised as :func:`l2normalize` normalises a vector."""
+    return b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
 def delta_rule_update_u(b_h, b_k, b_v, b_g, b_beta, IS_KDA: tl.constexpr):
     """One token of the gated delta rule on a ``[BK, BV]`` float32 state tile ``b_h`` (``h[k, v]``)
     with normalised ``b_k`` ``[BK]``, ``b_v`` ``[BV]``: ``h *= exp(g); v -= sum_k h k; v *= beta;

@@ -7,7 +7,7 @@ choice: one place for the policy the kernels (:mod:`.verify`, :mod:`.write_throu
 * chain verify: written through below :data:`WRITE_THROUGH_VERIFY_BELOW`, output-only from there;
 * an output-only launch: one launch or two (:func:`served_launches`), the window launch per key head
   (:func:`served_window_key_heads`), its warps (:func:`served_window_warps`) and keys
-  (:data:`SERVED_WINDOW_RAW_KEYS`), the output launch's order (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling
+  (:func:`served_window_raw_keys`), the output launch's order (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling
   (:func:`output_tiling`), no programmatic dependent launch (:data:`SERVED_PDL`);
 * a write-through's tile (:func:`write_through_block_v`, :data:`WRITE_THROUGH_V_MAJOR`,
   :data:`WRITE_THROUGH_VERIFY_PREFETCH`).
@@ -195,6 +195,12 @@ def served_window_key_heads(is_kda: bool, launches: int) -> bool:
     dotted once instead of once per value head, and half the programs (one wave where the per-value-head launch
     needed two)."""
     return not is_kda and launches == 2
+
+
+def served_window_raw_keys(launches: int) -> bool:
+    """Whether a served window launch renormalises the history's raw keys (:data:`SERVED_WINDOW_RAW_KEYS`): only a
+    verify of two launches has a window launch (the one-launch kernel reads the normalised keys either way)."""
+    return SERVED_WINDOW_RAW_KEYS and launches == 2
 
 
 def served_window_warps(history: int, tokens: int) -> int:

@@ -41,11 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, packed_beta,
-                               store_key_record, token_gate)
+from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, l2normalize_rows,
+                               packed_beta, store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
-from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, SERVED_WINDOW_RAW_KEYS, output_tiling, served_launches,
-                     served_window_key_heads, served_window_warps)
+from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_launches, served_window_key_heads,
+                     served_window_raw_keys, served_window_warps)
 
 
 @triton.jit
@@ -282,12 +282,12 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
 def history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H: tl.constexpr, K: tl.constexpr, RAW_KEYS: tl.constexpr):
     """The history's normalised keys ``[L, K]`` float32 of key head ``i_h`` at ring positions ``p_rec`` ``[L]``
     (rows where ``m_l`` is false: 0): as stored (``r_kn``, float32) or, with ``RAW_KEYS``, renormalised from the raw
-    keys (``r_kraw``, activation dtype: half the bytes read) as :func:`~..delta_rule_step.l2normalize` normalised them
-    when the record was written (the same values up to the order of the sum: float32 rounding)."""
+    keys (``r_kraw``, activation dtype: half the bytes read; :func:`~..delta_rule_step.l2normalize_rows`) as
+    :func:`~..delta_rule_step.l2normalize` normalised them when the record was written (the same values up to the
+    order of the sum: float32 rounding)."""
     p_k = (p_rec[:, None] * H + i_h) * K + o_k[None, :]
     if RAW_KEYS:
-        b_raw = tl.load(r_kraw + p_k, mask=m_l[:, None], other=0).to(tl.float32)
-        return b_raw / tl.sqrt(tl.sum(b_raw * b_raw, 1) + 1e-6)[:, None]
+        return l2normalize_rows(tl.load(r_kraw + p_k, mask=m_l[:, None], other=0).to(tl.float32))
     return tl.load(r_kn + p_k, mask=m_l[:, None], other=0)
 
 
@@ -683,9 +683,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
     launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
-    (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :data:`~.served.SERVED_WINDOW_RAW_KEYS`
-    where two launches serve). Checkpoints and every record but ``u`` are the same bits for every choice; outputs
-    and ``u`` agree to float32 rounding. A padding row is
+    (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :func:`~.served.served_window_raw_keys`).
+    Checkpoints and every record but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32
+    rounding. A padding row is
     negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
     a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
     slots only. Returns ``o`` ``[1, T_all, HV, V]``.
@@ -737,7 +737,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
-    window_raw_keys = SERVED_WINDOW_RAW_KEYS and launches == 2 if window_raw_keys is None else window_raw_keys
+    window_raw_keys = served_window_raw_keys(launches) if window_raw_keys is None else window_raw_keys
     if window_raw_keys and launches != 2:
         raise ValueError("window_raw_keys: the window launch of two reads the history's raw keys; the one-launch "
                          "kernel reads the stored normalised ones (pass launches=2 or window_raw_keys=False)")
