@@ -350,6 +350,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
+            elif opt[:1] == "f" and opt[1:] in ("4", "8", "16", "32", "64"):
+                kw["fold_block_v"] = int(opt[1:])
             elif opt in ("keyhead", "valuehead"):  # two launches: the window launch's option
                 kw["window_key_heads"] = opt == "keyhead"
                 kw.setdefault("launches", 2)
@@ -366,7 +368,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :keyhead / :valuehead (a window program per key head, GDN's "
+                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns at a time: 4-64), :keyhead / :valuehead (a window program per key head, GDN's "
                              "served choice, or per value head; two launches), :rawkeys / :normkeys (the window "
                              "launch renormalising the history's raw keys or reading the normalised ones; two "
                              "launches), :fma, "

@@ -188,7 +188,7 @@ def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches`` /
-    ``window_key_heads`` / ``window_raw_keys`` (what the benchmark sweeps) tile the launches; checkpoints (a fused
+    ``window_key_heads`` / ``window_raw_keys`` / ``fold_block_v`` (what the benchmark sweeps) tile the launches; checkpoints (a fused
     fold included) and every ring record but
     ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
     over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
@@ -204,6 +204,8 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, fold_block_v=32, **two),  # one fold pass
+                    dict(block_v=32, num_warps=1, fold_block_v=8, launches=1),  # four fold passes, one launch
                     dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # the window's order program
                     dict(block_v=16, num_warps=1, fold_first=True, pdl=pdl_available(DEVICE), **two),  # the output
                     dict(block_v=16, num_warps=1, fold_first=False, pdl=pdl_available(DEVICE), **two),  # overlapping
@@ -234,6 +236,10 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     with pytest.raises(ValueError, match="power of two"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=24)
+    for bad in (12, 64):  # not a power of two; wider than the output tile
+        with pytest.raises(ValueError, match="fold_block_v"):
+            replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
+                          state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=32, fold_block_v=bad)
     with pytest.raises(ValueError, match="at least 16 columns"):
         replay_verify(params.A_log, inp["a"], params.dt_bias, inp["q"], inp["k"], inp["v"], inp["b"], p,
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", block_v=8, dot=True)

@@ -656,7 +656,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   fold_first: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
-                  window_key_heads: bool | None = None, window_raw_keys: bool | None = None) -> torch.Tensor:
+                  window_key_heads: bool | None = None, window_raw_keys: bool | None = None,
+                  fold_block_v: int | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -684,6 +685,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
     launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
     (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :func:`~.served.served_window_raw_keys`).
+    ``fold_block_v`` (a power of two no larger than the output tile): the value columns a fused fold advances at a
+    time (default ``min(block_v, FOLD_WARP_COLUMNS * num_warps)``, :data:`FOLD_WARP_COLUMNS`).
     Checkpoints and every record but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32
     rounding. A padding row is
     negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
@@ -746,7 +749,9 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                          "renormalise to the keys the window used; allocate the ring in the activation dtype")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
-    fbv = min(BV, FOLD_WARP_COLUMNS * warps)
+    fbv = min(BV, FOLD_WARP_COLUMNS * warps) if fold_block_v is None else fold_block_v
+    if fbv < 1 or fbv & (fbv - 1) or fbv > BV:
+        raise ValueError(f"fold_block_v {fbv} must be a power of two no larger than the output tile's {BV} columns")
     if launches == 1:
         if fold_first:
             fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
