@@ -137,6 +137,12 @@ def test_bench_replay_variants_name_the_launch_options():
         ("16x1:normkeys", dict(block_v=16, num_warps=1, window_raw_keys=False, launches=2))]
     with pytest.raises(SystemExit):  # the one-launch kernel has no window launch to read raw keys
         bench_replay.parse_variants(p, ["served:rawkeys:one"])
+    assert bench_replay.parse_variants(p, ["served:f32", "16x1:f8:one"]) == [
+        ("served:f32", dict(fold_block_v=32)),
+        ("16x1:f8:one", dict(block_v=16, num_warps=1, fold_block_v=8, launches=1))]
+    for bad in ("served:f12", "served:through:f8"):  # not a power of two offered; a write-through folds no window
+        with pytest.raises(SystemExit):
+            bench_replay.parse_variants(p, [bad])
     assert bench_replay.parse_variants(p, ["served:stepcursor", "served:layercursor"]) == [
         ("served:stepcursor", dict(cursor="step")), ("served:layercursor", dict(cursor="layer"))]
     with pytest.raises(SystemExit):  # a write-through leaves no cursor to settle
