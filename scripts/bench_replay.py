@@ -135,7 +135,14 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
                                          serves_write_through_verify(batch, is_kda, history, sd))
         return through
 
+    def capped(variant):  # a served tile's fold passes (:fN) at most its own columns wide (a narrow tile: 16)
+        if "fold_block_v" not in variant or "block_v" in variant:
+            return variant
+        return {**variant, "fold_block_v": min(variant["fold_block_v"],
+                                               output_tiling(batch, d, is_kda, history, sd)[0])}
+
     def replay_step_fused(variant):  # as served: the fold inside the verify launch, the cursor after
+        variant = capped(variant)
         kw = {key: value for key, value in variant.items() if key not in ("write_through", "cursor")}  # its tile
         through = writes_through(variant)
         per_layer = variant.get("cursor") == "layer"
@@ -168,6 +175,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         advance(ring, groups[r], accepted)
 
     def fused_path(variant):  # what a timed step of the variant runs
+        variant = capped(variant)
         if writes_through(variant):
             tile = {key: value for key, value in variant.items() if key not in ("write_through", "cursor")}
             tile.setdefault("block_v", write_through_block_v(is_kda, sd, d > 1))  # what ran: the served columns
@@ -350,7 +358,7 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
-            elif opt[:1] == "f" and opt[1:] in ("4", "8", "16", "32", "64"):
+            elif opt[:1] == "f" and opt[1:] in ("4", "8", "16", "32", "64"):  # a served tile: capped per case
                 kw["fold_block_v"] = int(opt[1:])
             elif opt in ("keyhead", "valuehead"):  # two launches: the window launch's option
                 kw["window_key_heads"] = opt == "keyhead"
@@ -390,6 +398,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
         elif "v_major" in kw or "prefetch" in kw:
             parser.error(f"--variants {value}: :vk / :kv / :prefetch / :noprefetch apply to a write-through: add "
                          ":through")
+        if kw.get("fold_block_v", 0) > kw.get("block_v", 64) or kw.get("fold_block_v", 64) < kw.get("num_warps", 1):
+            parser.error(f"--variants {value}: :fN folds N of the tile's columns at a time, at least one per warp")
         if kw.get("dot") and kw.get("block_v", 16) < 16:
             parser.error(f"--variants {value}: the tensor-core path needs block_v >= 16")
         out.append((value, kw))
@@ -479,8 +489,9 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:keyhead|:valuehead][:fma|:dot][:inorder|:foldfirst][:one|:two]"
-                           "[:pdl|:nopdl][:through|:nothrough][:stepcursor|:layercursor]",
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:keyhead|:valuehead][:rawkeys|:normkeys][:fma|:dot]"
+                           "[:inorder|:foldfirst][:one|:two][:pdl|:nopdl][:through|:nothrough]"
+                           "[:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
                         "(served: ops.replay.served.output_tiling, by requests per launch, tokens, family, "
                         "history and state dtype) or fixed (block_v x "
@@ -488,7 +499,9 @@ def main(argv=None) -> int:
                         "key head or per value head (:keyhead / :valuehead; served: per key head) and reading the "
                         "history's raw keys or its normalised ones (:rawkeys / :normkeys; default: "
                         "ops.replay.served.SERVED_WINDOW_RAW_KEYS), the checkpoint rows per step of "
-                        "the output launch's K loop (:k64) and its pipeline depth (:s3), the S0 projections on CUDA "
+                        "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's value "
+                        "columns at a time (:f32; default ops.replay.verify.FOLD_WARP_COLUMNS per warp; a served "
+                        "tile's fold at most its own columns), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "
                         "batch 32 on, ops.replay.served.FOLD_FIRST_MIN_REQUESTS), in one launch (:one) or two "

@@ -179,9 +179,14 @@ def _random_ring(n, L, hk, hv, kdim, vdim, family, count, seed):
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     ring.beta.copy_(torch.rand(ring.beta.shape, generator=gen))
     ring.g.copy_(-torch.rand(ring.g.shape, generator=gen))
+    _normalise_keys(ring)
+    return ring
+
+
+def _normalise_keys(ring):
+    """Every normalised key of ``ring`` its raw key's L2 normalisation as SGLang's kernels compute it."""
     raw = ring.k_raw.float()
     ring.k_norm.copy_(raw / torch.sqrt((raw * raw).sum(-1, keepdim=True) + 1e-6))
-    return ring
 
 
 @pytest.mark.parametrize("kdim,vdim", [(16, 32), (32, 40)])  # K = 32: two K steps at block_k 16; V = 40: a part tile
@@ -220,7 +225,8 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                        dict(block_v=16, num_warps=1, window_key_heads=True, window_raw_keys=True, **two))
                       if family == "gdn" else ())):
         ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - 1, seed=51)
-        ring.count.copy_(torch.tensor([L - 1, 1, L - d], dtype=torch.int32))  # one folds, the others read history
+        ring.count.copy_(torch.tensor([L - 1, 1, L - d], dtype=torch.int32))  # the first folds, the last reads 2
+        # records (the middle row is make_case's padding row)
         p = pool.to(DEVICE).clone()
         inp = to_device(flat_inputs(x, family, n, d), DEVICE)
         o = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
@@ -262,6 +268,36 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
+
+def test_fold_block_v_reaches_the_output_launch(monkeypatch):
+    """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None: ``FOLD_WARP_COLUMNS``
+    per warp, at most the tile. (The tiling test checks the folds' bits; this one that the option is not dropped.)"""
+    seen = []
+
+    class Launch:  # records the launch's FBV instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["FBV"])
+
+    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", Launch())
+    monkeypatch.setattr(replay_verify_module, "replay_step_kernel", Launch())
+    n, d, kdim, vdim = 2, 2, 16, 64
+    params, x, pool, state_idx = make_case("gdn", n, d, 1, 2, kdim, vdim, torch.float32, seed=54)
+    inp = to_device(flat_inputs(x, "gdn", n, d), DEVICE)
+    rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    ring = ReplayRing.allocate(n, 4, 1, 2, kdim, vdim, False, torch.bfloat16, DEVICE)
+    for kw, fbv in ((dict(block_v=64, num_warps=1), 16), (dict(block_v=64, num_warps=2), 32),
+                    (dict(block_v=16, num_warps=2), 16), (dict(block_v=64, num_warps=1, fold_block_v=8), 8),
+                    (dict(block_v=64, num_warps=4, fold_block_v=64), 64)):
+        for launches in (1, 2):
+            replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                          inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE), ring, rec_idx, is_kda=False,
+                          launches=launches, **kw)
+            assert seen.pop() == fbv, (kw, launches)
+    with pytest.raises(ValueError, match="from num_warps"):  # fewer columns a pass than warps
+        replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
+                      inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE), ring, rec_idx, is_kda=False,
+                      block_v=64, num_warps=4, fold_block_v=2)
+
 @pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"), ("gdn", 2, 4, True, "served"),
                                                          ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
 def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, via, monkeypatch):
@@ -269,7 +305,9 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     the history's keys from the raw records alone — with every stored normalised history key wiped, its outputs,
     checkpoints and records are those of the stored keys' launch on an intact ring (outputs and ``u`` to float32
     rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
-    raw records either way): the window reads 5 history records."""
+    raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where SGLang's
+    epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the keys
+    (bfloat16 for float32 keys) is refused when asked for, and served the normalised keys."""
     n, d, L, kdim, vdim = 3, 2, 8, 32, 16
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
@@ -278,8 +316,16 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     if via == "served":
         monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", True)
     raw = True if via == "argument" else None
+
+    def history():  # a history the window reads, its keys tiny, one of them zero
+        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53)
+        ring.k_raw.mul_(1e-3)
+        ring.k_raw[:, 1].zero_()
+        _normalise_keys(ring)
+        return ring
+
     for name, raw_keys, wiped in (("stored", False, False), ("raw", raw, True), ("stored-wiped", False, True)):
-        ring = _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53)  # a history the window reads
+        ring = history()
         if wiped:
             ring.k_norm.zero_()
         p = pool.to(DEVICE).clone()
@@ -303,13 +349,20 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     if via == "served":  # the one-launch kernel, served where it is, reads the normalised keys: no refusal
         served_one = replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"],
                                    inp["v"], inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE),
-                                   _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53), rec_idx,
-                                   is_kda=family == "kda", launches=1)
+                                   history(), rec_idx, is_kda=family == "kda", launches=1)
         torch.testing.assert_close(served_one.float(), o0, rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="activation dtype"):  # float32 keys, a bfloat16 ring
-        replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"].float(),
+    wide = dict(q=inp["q"].float(), k=inp["k"].float())  # float32 keys, a bfloat16 ring
+    with pytest.raises(ValueError, match="activation dtype or float32"):
+        replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), wide["q"], wide["k"],
                       inp["v"], inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE), ring, rec_idx,
                       is_kda=family == "kda", launches=2, window_raw_keys=True)
+    if via == "served":  # the served flag on: such a ring is served the normalised keys, no refusal
+        o_wide = [replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), wide["q"], wide["k"],
+                                inp["v"], inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE),
+                                _random_ring(n, L, hk, hv, kdim, vdim, family, L - d - 1, seed=53), rec_idx,
+                                is_kda=family == "kda", launches=2, window_key_heads=key_heads, window_raw_keys=raw)
+                  for raw in (None, False)]
+        assert torch.equal(o_wide[0], o_wide[1])
 
 
 @pytest.mark.parametrize("hk,hv,d", [(1, 3, 1), (2, 4, 3), (2, 2, 2)])

@@ -282,7 +282,7 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
 def history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H: tl.constexpr, K: tl.constexpr, RAW_KEYS: tl.constexpr):
     """The history's normalised keys ``[L, K]`` float32 of key head ``i_h`` at ring positions ``p_rec`` ``[L]``
     (rows where ``m_l`` is false: 0): as stored (``r_kn``, float32) or, with ``RAW_KEYS``, renormalised from the raw
-    keys (``r_kraw``, activation dtype: half the bytes read; :func:`~..delta_rule_step.l2normalize_rows`) as
+    keys (``r_kraw``, activation dtype: half the bytes read for 2-byte activations; :func:`~..delta_rule_step.l2normalize_rows`) as
     :func:`~..delta_rule_step.l2normalize` normalised them when the record was written (the same values up to the
     order of the sum: float32 rounding)."""
     p_k = (p_rec[:, None] * H + i_h) * K + o_k[None, :]
@@ -378,7 +378,7 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop (``FBV = min(BV, 16 * num_warps)``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty
+    by the loop (``FBV``: ``replay_verify``'s ``fold_block_v``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty
     history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
@@ -642,11 +642,12 @@ def pdl_available(device: torch.device | str) -> bool:
 
 
 FOLD_WARP_COLUMNS = 16
-"""Value columns per warp a fused fold advances at a time (``FBV = min(BV, 16 * num_warps)``): a ``[K, 16]``
-float32 tile per warp is what the registers hold beside the output path; wider output tiles fold in several
-passes. A fold's bits are the same whenever its K reduction stays inside one warp, as in every tiling
-tested (``test_launch_tiling_changes_no_result``, CPU and H200); a ``[16, 16]`` tile on 4 warps split K
-across warps and changed them (bench/results/replay/kloop_20261203, run 1)."""
+"""Value columns per warp a fused fold advances at a time by default (``FBV = min(BV, 16 * num_warps)``): a
+``[K, 16]`` float32 tile per warp is what the registers hold beside the output path; wider output tiles fold in
+several passes. A fold's bits are the same for every tiling of one warp (every served tile; any ``fold_block_v``
+from 4 to 32, checked at K = V = 128 on an H100); a tile of several warps may reduce over K across warps and
+rounds some elements one unit in the last place differently (64 columns on 4 or 8 warps, 32 on 2 with 4 columns a
+pass; a ``[16, 16]`` tile on 4 warps, bench/results/replay/kloop_20261203, run 1)."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -684,14 +685,15 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     and key head (:func:`window_key_head_program`: the history's keys read and dotted once for the key head's value
     heads) or one per value head (default: :func:`~.served.served_window_key_heads`). ``window_raw_keys`` (two
     launches): the window launch renormalises the history's raw keys instead of reading the stored normalised ones
-    (:func:`history_keys`; the ring's raw keys in ``k``'s dtype; default :func:`~.served.served_window_raw_keys`).
-    ``fold_block_v`` (a power of two no larger than the output tile): the value columns a fused fold advances at a
-    time (default ``min(block_v, FOLD_WARP_COLUMNS * num_warps)``, :data:`FOLD_WARP_COLUMNS`).
-    Checkpoints and every record but ``u`` are the same bits for every choice; outputs and ``u`` agree to float32
-    rounding. A padding row is
-    negative in ``state_indices`` and in ``record_indices`` (serving passes one tensor for both): the kernels skip
-    a row negative in either, the cursor functions (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record
-    slots only. Returns ``o`` ``[1, T_all, HV, V]``.
+    (:func:`history_keys`; the ring's raw keys in ``k``'s dtype or float32; default
+    :func:`~.served.served_window_raw_keys` where the ring holds them so, else the normalised keys).
+    ``fold_block_v`` (a power of two from ``num_warps`` to the output tile's columns): the value columns a fused fold
+    advances at a time (default ``min(block_v, FOLD_WARP_COLUMNS * num_warps)``, :data:`FOLD_WARP_COLUMNS`).
+    Checkpoints and every record but ``u`` are the same bits for every choice of one warp (``num_warps`` 1, as
+    served; several warps: within a unit in the last place, :data:`FOLD_WARP_COLUMNS`); outputs and ``u`` agree to
+    float32 rounding. A padding row is negative in ``state_indices`` and in ``record_indices`` (serving passes one
+    tensor for both): the kernels skip a row negative in either, the cursor functions (:func:`~.ring.advance`,
+    :func:`~.ring.fold_needed`) see record slots only. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -740,18 +742,22 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if window_key_heads and (is_kda or launches != 2):
         raise ValueError("window_key_heads: one window program per key head serves GDN's two launches only (KDA's "
                          "gates are per channel and value head); pass window_key_heads=False")
-    window_raw_keys = served_window_raw_keys(launches) if window_raw_keys is None else window_raw_keys
+    exact_raw_keys = ring.k_raw.dtype in (k.dtype, torch.float32)  # the ring holds the window's keys unrounded
+    if window_raw_keys is None:
+        window_raw_keys = served_window_raw_keys(launches) and exact_raw_keys
     if window_raw_keys and launches != 2:
         raise ValueError("window_raw_keys: the window launch of two reads the history's raw keys; the one-launch "
                          "kernel reads the stored normalised ones (pass launches=2 or window_raw_keys=False)")
-    if window_raw_keys and k.dtype != ring.k_raw.dtype:
-        raise ValueError(f"window_raw_keys: keys of {k.dtype} recorded in a ring of {ring.k_raw.dtype} would not "
-                         "renormalise to the keys the window used; allocate the ring in the activation dtype")
+    if window_raw_keys and not exact_raw_keys:
+        raise ValueError(f"window_raw_keys: keys of {k.dtype} rounded into a ring of {ring.k_raw.dtype} would not "
+                         "renormalise to the keys the window used; allocate the ring in the activation dtype or "
+                         "float32, or pass window_raw_keys=False")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps) if fold_block_v is None else fold_block_v
-    if fbv < 1 or fbv & (fbv - 1) or fbv > BV:
-        raise ValueError(f"fold_block_v {fbv} must be a power of two no larger than the output tile's {BV} columns")
+    if fbv < warps or fbv & (fbv - 1) or fbv > BV:
+        raise ValueError(f"fold_block_v {fbv} must be a power of two from num_warps ({warps}) to the output tile's "
+                         f"{BV} columns")
     if launches == 1:
         if fold_first:
             fold_order_kernel[(1,)](state_indices, record_indices, ring.count, order, n, T, L=L, BLOCK=256)
