@@ -206,7 +206,7 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
         return variant.get("launches") or served_launches(batch * d, is_kda, history)
 
     def reads_raw_keys(variant):  # a window launch (of two: parse_variants sets it) renormalising the raw keys
-        return variant.get("window_raw_keys", served_window_raw_keys(launches_of(variant)))
+        return variant.get("window_raw_keys", served_window_raw_keys(launches_of(variant), is_kda, history, d))
 
     def launch_label(variant):  # the kernels a verify call runs
         if launches_of(variant) == 1:
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
                         "key head or per value head (:keyhead / :valuehead; served: per key head) and reading the "
                         "history's raw keys or its normalised ones (:rawkeys / :normkeys; default: "
-                        "ops.replay.served.SERVED_WINDOW_RAW_KEYS), the checkpoint rows per step of "
+                        "ops.replay.served.served_window_raw_keys), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's value "
                         "columns at a time (:f32; default ops.replay.verify.FOLD_WARP_COLUMNS per warp; a served "
                         "tile's fold at most its own columns), the S0 projections on CUDA "

@@ -90,7 +90,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(ring, A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", b="bf16", order="i32"),
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
              KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
-             PDL=SERVED_PDL, RAW_KEYS=served_window_raw_keys(2) if raw_keys is None else raw_keys),
+             PDL=SERVED_PDL, RAW_KEYS=(served_window_raw_keys(2, is_kda, history, draft_tokens) if raw_keys is None
+                                       else raw_keys)),
         served_window_warps(history, draft_tokens))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
                         "and, with --verify-window, compact's")
     p.add_argument("--window-keys", choices=["served", "raw", "normalised"], default="served",
                    help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys) or "
-                        "reading the normalised ones (default: ops.replay.served.SERVED_WINDOW_RAW_KEYS)")
+                        "reading the normalised ones (default: ops.replay.served.served_window_raw_keys)")
     p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
                    help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
                         "ops.compact.FAST_VERIFY_TILE), chain and tree")

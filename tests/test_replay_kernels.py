@@ -301,8 +301,8 @@ def test_fold_block_v_reaches_the_output_launch(monkeypatch):
 @pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"), ("gdn", 2, 4, True, "served"),
                                                          ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
 def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, via, monkeypatch):
-    """``window_raw_keys`` (passed, or served: :data:`~.served.SERVED_WINDOW_RAW_KEYS` on): the window launch takes
-    the history's keys from the raw records alone — with every stored normalised history key wiped, its outputs,
+    """``window_raw_keys`` (passed, or served: the family's row in :data:`~.served.SERVED_WINDOW_RAW_KEYS`): the
+    window launch takes the history's keys from the raw records alone — with every stored normalised history key wiped, its outputs,
     checkpoints and records are those of the stored keys' launch on an intact ring (outputs and ``u`` to float32
     rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
     raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where SGLang's
@@ -314,7 +314,7 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     runs = {}
     if via == "served":
-        monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", True)
+        monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", frozenset({(family, 16)}))
     raw = True if via == "argument" else None
 
     def history():  # a history the window reads, its keys tiny, one of them zero
@@ -562,6 +562,33 @@ def test_gdn_window_launches_are_served_per_key_head():
     """GDN's window launch runs a program per key head wherever there is one (two launches); KDA's per value head."""
     assert [served_window_key_heads(kda, launches) for kda in (False, True) for launches in (1, 2)] == [
         False, True, False, False]
+
+
+def test_kda_verify_windows_at_short_histories_are_served_raw_keys(monkeypatch):
+    """The window launch renormalises the history's raw keys for a KDA verify (more than one token) at L <= 16 in two
+    launches — the rows of :data:`~.served.SERVED_WINDOW_RAW_KEYS` — and reads the normalised keys elsewhere: GDN, a
+    plain decode, L = 32 and 64, one launch; and ``replay_verify`` launches what that says."""
+    assert served_module.SERVED_WINDOW_RAW_KEYS == {("kda", 16)}
+    chosen = {(kda, launches, L, T): served_module.served_window_raw_keys(launches, kda, L, T)
+              for kda in (False, True) for launches in (1, 2) for L in (8, 16, 32, 64) for T in (1, 2, 4)}
+    assert {key for key, raw in chosen.items() if raw} == {(True, 2, L, T) for L in (8, 16) for T in (2, 4)}
+    seen = []
+
+    class Launch:  # records the window launch's RAW_KEYS instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["RAW_KEYS"])
+
+    monkeypatch.setattr(replay_verify_module, "replay_window_kernel", Launch())
+    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", type("Skip", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kwargs: None})())
+    for family, d, L, raw in (("kda", 2, 16, True), ("kda", 1, 16, False), ("kda", 4, 32, False),
+                              ("gdn", 4, 16, False)):
+        n, hk, hv, kdim, vdim = 2, 1, 2, 16, 16
+        params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=82)
+        ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+        call_replay_verify(params, x, family, n, d, pool.to(DEVICE), state_idx, ring,
+                           torch.arange(n, dtype=torch.int32, device=DEVICE), launches=2)
+        assert seen.pop() is raw, (family, d, L)
 
 
 @pytest.mark.gpu

@@ -197,10 +197,13 @@ def served_window_key_heads(is_kda: bool, launches: int) -> bool:
     return not is_kda and launches == 2
 
 
-def served_window_raw_keys(launches: int) -> bool:
-    """Whether a served window launch renormalises the history's raw keys (:data:`SERVED_WINDOW_RAW_KEYS`): only a
-    verify of two launches has a window launch (the one-launch kernel reads the normalised keys either way)."""
-    return SERVED_WINDOW_RAW_KEYS and launches == 2
+def served_window_raw_keys(launches: int, is_kda: bool, history: int, tokens: int) -> bool:
+    """Whether a served window launch of ``tokens`` tokens a request over a ``history``-record ring renormalises the
+    history's raw keys: a verify window (more than one token) of a family and history in
+    :data:`SERVED_WINDOW_RAW_KEYS` (a history below 16 as 16), of two launches (the one-launch kernel reads the
+    normalised keys either way)."""
+    family = "kda" if is_kda else "gdn"
+    return launches == 2 and tokens > 1 and (family, max(history, MEASURED_HISTORIES[0])) in SERVED_WINDOW_RAW_KEYS
 
 
 def served_window_warps(history: int, tokens: int) -> int:
@@ -312,13 +315,17 @@ and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in 
 1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
 
 
-SERVED_WINDOW_RAW_KEYS = False
-"""Whether a served window launch renormalises the history's raw keys (activation dtype) rather than reading the
-normalised float32 keys the ring also holds (:func:`~.verify.history_keys`): half the bytes of the history's keys,
-the window launch's largest read with GDN's scalar gates and half of it with KDA's per-channel ones (a KDA D = 4
-round at L = 16 and 256 requests spends 136 of its 578 µs there, bench/results/replay/h100_20261207_9a21fe3), for
-one more L2 norm per record; the one-launch kernel reads the normalised keys either way. Not yet timed on a GPU
-(``bench_replay --variants served:normkeys served:rawkeys``, both two launches): off until it is."""
+SERVED_WINDOW_RAW_KEYS = frozenset({("kda", 16)})
+"""The ``(family, history)`` rows whose verify window launch renormalises the history's raw keys (activation dtype)
+rather than reading the normalised float32 keys the ring also holds (:func:`~.verify.history_keys`): half the bytes
+of the history's keys for 2-byte activations, the window launch's largest read with GDN's scalar gates and half of
+it with KDA's per-channel ones, for one more L2 norm per record and more registers (KDA 218 -> 252, GDN 167 -> 206
+a thread, no spills). Side by side on an H100 (bench/results/replay/rawkeys_20261207, float32 state, D = 4, L = 16,
+normalised / raw keys): KDA's window launch 38.0 / 35.2 µs at 64 requests (round 2.17 / 2.21x native) and
+136.4 / 115.4 µs at 256 (2.35 / 2.45x); GDN's per key head 13.0 / 11.7 µs at 64 (2.61 / 2.63x) but 40.7 / 43.7
+µs at 256 (2.86 / 2.84x): not served for GDN. Not timed: KDA at L = 32 and 64 (this machine's ptxas counts 12
+spills for the raw-keys window at L = 32, none with the normalised keys) and a plain decode's window (one token):
+both read the normalised keys."""
 
 
 WRITE_THROUGH_BLOCK_V = 16

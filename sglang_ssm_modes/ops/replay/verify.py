@@ -744,7 +744,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                          "gates are per channel and value head); pass window_key_heads=False")
     exact_raw_keys = ring.k_raw.dtype in (k.dtype, torch.float32)  # the ring holds the window's keys unrounded
     if window_raw_keys is None:
-        window_raw_keys = served_window_raw_keys(launches) and exact_raw_keys
+        window_raw_keys = served_window_raw_keys(launches, is_kda, L, T) and exact_raw_keys
     if window_raw_keys and launches != 2:
         raise ValueError("window_raw_keys: the window launch of two reads the history's raw keys; the one-launch "
                          "kernel reads the stored normalised ones (pass launches=2 or window_raw_keys=False)")
