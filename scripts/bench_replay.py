@@ -376,8 +376,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns at a time: 4-64), :keyhead / :valuehead (a window program per key head, GDN's "
-                             "served choice, or per value head; two launches), :rawkeys / :normkeys (the window "
+                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns at a time: 4-64), :keyhead / "
+                             ":valuehead (a window program per key head, GDN's served choice, or per value head; two "
+                             "launches), :rawkeys / :normkeys (the window "
                              "launch renormalising the history's raw keys or reading the normalised ones; two "
                              "launches), :fma, "
                              ":dot, :inorder, :foldfirst, :one (one launch), "

@@ -193,11 +193,11 @@ def _normalise_keys(ring):
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches`` /
-    ``window_key_heads`` / ``window_raw_keys`` / ``fold_block_v`` (what the benchmark sweeps) tile the launches; checkpoints (a fused
-    fold included) and every ring record but
-    ``u`` are the same bits for every variant. Outputs and ``u`` agree to float32 rounding: their reductions
-    over K follow the launch layout (tensor-core or CUDA-core projections) — ``u`` only feeds outputs, never
-    a fold (folds replay the raw records)."""
+    ``window_key_heads`` / ``window_raw_keys`` / ``fold_block_v`` (what the benchmark sweeps) tile the launches;
+    checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for every variant (here,
+    where the interpreter has no warps; on a GPU for every tiling of one warp, ``FOLD_WARP_COLUMNS``). Outputs and
+    ``u`` agree to float32 rounding: their reductions over K follow the launch layout (tensor-core or CUDA-core
+    projections) — ``u`` only feeds outputs, never a fold (folds replay the raw records)."""
     n, d, L = 3, 2, 4
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=50)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
@@ -302,9 +302,9 @@ def test_fold_block_v_reaches_the_output_launch(monkeypatch):
                                                          ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
 def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, via, monkeypatch):
     """``window_raw_keys`` (passed, or served: the family's row in :data:`~.served.SERVED_WINDOW_RAW_KEYS`): the
-    window launch takes the history's keys from the raw records alone — with every stored normalised history key wiped, its outputs,
-    checkpoints and records are those of the stored keys' launch on an intact ring (outputs and ``u`` to float32
-    rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
+    window launch takes the history's keys from the raw records alone — with every stored normalised history key
+    wiped, its outputs, checkpoints and records are those of the stored keys' launch on an intact ring (outputs and
+    ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
     raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where SGLang's
     epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the keys
     (bfloat16 for float32 keys) is refused when asked for, and served the normalised keys."""

@@ -282,9 +282,9 @@ def window_key_head_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, 
 def history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H: tl.constexpr, K: tl.constexpr, RAW_KEYS: tl.constexpr):
     """The history's normalised keys ``[L, K]`` float32 of key head ``i_h`` at ring positions ``p_rec`` ``[L]``
     (rows where ``m_l`` is false: 0): as stored (``r_kn``, float32) or, with ``RAW_KEYS``, renormalised from the raw
-    keys (``r_kraw``, activation dtype: half the bytes read for 2-byte activations; :func:`~..delta_rule_step.l2normalize_rows`) as
-    :func:`~..delta_rule_step.l2normalize` normalised them when the record was written (the same values up to the
-    order of the sum: float32 rounding)."""
+    keys (``r_kraw``, activation dtype: half the bytes read for 2-byte activations;
+    :func:`~..delta_rule_step.l2normalize_rows`) as :func:`~..delta_rule_step.l2normalize` normalised them when the
+    record was written (the same values up to the order of the sum: float32 rounding)."""
     p_k = (p_rec[:, None] * H + i_h) * K + o_k[None, :]
     if RAW_KEYS:
         return l2normalize_rows(tl.load(r_kraw + p_k, mask=m_l[:, None], other=0).to(tl.float32))
@@ -378,8 +378,8 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop (``FBV``: ``replay_verify``'s ``fold_block_v``, :data:`FOLD_WARP_COLUMNS`); it continues with an empty
-    history in the ring's other half. Per token t:
+    by the loop (``FBV``: ``replay_verify``'s ``fold_block_v``, :data:`FOLD_WARP_COLUMNS`); it continues with an
+    empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
