@@ -218,6 +218,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, dot=False, launches=1),
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, launches=1),  # ... wide, two K steps
                     dict(block_v=16, num_warps=1, window_raw_keys=True, **two),  # the history's raw keys renormalised
+                    dict(block_v=16, num_warps=1, window_raw_keys=False, **two),  # ... or the normalised ones read
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, window_raw_keys=True, fold_first=True,
                          **two),
                     *((dict(block_v=16, num_warps=1, window_key_heads=True, **two),  # GDN: a window program per key
@@ -268,7 +269,6 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
-
 def test_fold_block_v_reaches_the_output_launch(monkeypatch):
     """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None: ``FOLD_WARP_COLUMNS``
     per warp, at most the tile. (The tiling test checks the folds' bits; this one that the option is not dropped.)"""
@@ -297,6 +297,7 @@ def test_fold_block_v_reaches_the_output_launch(monkeypatch):
         replay_verify(params.A_log.to(DEVICE), inp["a"], params.dt_bias.to(DEVICE), inp["q"], inp["k"], inp["v"],
                       inp["b"], pool.to(DEVICE).clone(), state_idx.to(DEVICE), ring, rec_idx, is_kda=False,
                       block_v=64, num_warps=4, fold_block_v=2)
+
 
 @pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"), ("gdn", 2, 4, True, "served"),
                                                          ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
@@ -675,18 +676,20 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
 @pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 4, "served"), (64, 4, "served"),
                                         (16, 1, "wide"), (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"),
-                                        (16, 4, "wide:one"), (16, 4, "rawkeys"), (64, 4, "rawkeys")])
+                                        (16, 4, "wide:one"), (16, 4, "otherkeys"), (64, 4, "otherkeys")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
     1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 40-64 requests
-    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel; ``rawkeys``: the window
-    launch renormalising the history's raw keys (``window_raw_keys``)."""
+    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel; ``otherkeys``: the window
+    launch reading the history's keys the other way than served (``window_raw_keys``: raw where the normalised ones
+    are served, :func:`~.served.served_window_raw_keys`, and the other way round)."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}
-    if tiling == "rawkeys":
-        tiling_options.update(launches=2, window_raw_keys=True)
+    if tiling == "otherkeys":
+        tiling_options.update(launches=2, window_raw_keys=not served_module.served_window_raw_keys(2, family == "kda",
+                                                                                                   L, d))
     if tiling.startswith("wide"):
         tiling_options.update(zip(("block_v", "num_warps", "block_k", "num_stages"), WIDE_TILING))
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)

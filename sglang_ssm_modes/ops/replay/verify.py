@@ -644,10 +644,11 @@ def pdl_available(device: torch.device | str) -> bool:
 FOLD_WARP_COLUMNS = 16
 """Value columns per warp a fused fold advances at a time by default (``FBV = min(BV, 16 * num_warps)``): a
 ``[K, 16]`` float32 tile per warp is what the registers hold beside the output path; wider output tiles fold in
-several passes. A fold's bits are the same for every tiling of one warp (every served tile; any ``fold_block_v``
-from 4 to 32, checked at K = V = 128 on an H100); a tile of several warps may reduce over K across warps and
-rounds some elements one unit in the last place differently (64 columns on 4 or 8 warps, 32 on 2 with 4 columns a
-pass; a ``[16, 16]`` tile on 4 warps, bench/results/replay/kloop_20261203, run 1)."""
+several passes. A fold's bits are the same for every tiling of one warp (every served tile; a review's check on
+an H100, 2026-12-07, its log not kept: any ``fold_block_v`` from 4 to 32 at K = V = 128); a tile of several warps
+may reduce over K across warps and round some elements one unit in the last place differently (the same check: 64
+columns on 4 or 8 warps, 32 on 2 with 4 columns a pass; a ``[16, 16]`` tile on 4 warps,
+bench/results/replay/kloop_20261203, run 1)."""
 
 
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -755,7 +756,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = min(BV, FOLD_WARP_COLUMNS * warps) if fold_block_v is None else fold_block_v
-    if fbv < warps or fbv & (fbv - 1) or fbv > BV:
+    if fold_block_v is not None and (fbv < warps or fbv & (fbv - 1) or fbv > BV):
         raise ValueError(f"fold_block_v {fbv} must be a power of two from num_warps ({warps}) to the output tile's "
                          f"{BV} columns")
     if launches == 1:
