@@ -305,9 +305,9 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     """``window_raw_keys`` (passed, or served: the family's row in :data:`~.served.SERVED_WINDOW_RAW_KEYS`): the
     window launch takes the history's keys from the raw records alone — with every stored normalised history key
     wiped, its outputs, checkpoints and records are those of the stored keys' launch on an intact ring (outputs and
-    ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold replays the
-    raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where SGLang's
-    epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the keys
+    ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold
+    replays the raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where
+    SGLang's epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the keys
     (bfloat16 for float32 keys) is refused when asked for, and served the normalised keys."""
     n, d, L, kdim, vdim = 3, 2, 8, 32, 16
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52)
