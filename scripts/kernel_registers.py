@@ -75,7 +75,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
 
     from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_window_key_heads, served_window_raw_keys,
                                                     served_window_warps)
-    from sglang_ssm_modes.ops.replay.verify import (FOLD_WARP_COLUMNS, replay_output_kernel, replay_step_kernel,
+    from sglang_ssm_modes.ops.replay.verify import (default_fold_block_v, replay_output_kernel, replay_step_kernel,
                                                     replay_window_kernel)
 
     is_kda = family == "kda"
@@ -96,7 +96,7 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
-    tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=min(bv, FOLD_WARP_COLUMNS * num_warps),
+    tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=default_fold_block_v(bv, num_warps),
                 NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
     out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:

@@ -324,9 +324,10 @@ a thread, no spills). Side by side on an H100 (bench/results/replay/rawkeys_2026
 normalised / raw keys): KDA's window launch 38.0 / 35.2 µs at 64 requests (round 2.17 / 2.21x native) and
 136.4 / 115.4 µs at 256 (2.35 / 2.45x); GDN's per key head 13.0 / 11.7 µs at 64 (2.61 / 2.63x) but 40.7 / 43.7
 µs at 256 (2.86 / 2.84x): not served for GDN. A bfloat16 state's window is the same launch (it reads no state).
-Served but not timed: D = 2, L = 8, 32 and 128 requests. Not served, not timed: KDA at L = 32 and 64 (this machine's ptxas counts 12
-spills for the raw-keys window at L = 32, none with the normalised keys) and a plain decode's window (one token):
-both read the normalised keys."""
+Served but not timed: D = 2, L = 8, 32 and 128 requests. Not served, not timed: KDA at L = 32 and 64
+(``scripts/kernel_registers.py --window-keys raw`` on a CPU machine, Triton 3.8's ptxas, counts 12 spills for the
+raw-keys window at L = 32, none with the normalised keys) and a plain decode's window (one token): both read the
+normalised keys."""
 
 
 WRITE_THROUGH_BLOCK_V = 16

@@ -651,6 +651,12 @@ columns on 4 or 8 warps, 32 on 2 with 4 columns a pass; a ``[16, 16]`` tile on 4
 bench/results/replay/kloop_20261203, run 1)."""
 
 
+def default_fold_block_v(block_v: int, num_warps: int) -> int:
+    """The value columns a fused fold of an output tile ``block_v`` wide on ``num_warps`` warps advances at a time when
+    ``replay_verify`` is given no ``fold_block_v``: :data:`FOLD_WARP_COLUMNS` per warp, at most the tile."""
+    return min(block_v, FOLD_WARP_COLUMNS * num_warps)
+
+
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
@@ -689,7 +695,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     (:func:`history_keys`; the ring's raw keys in ``k``'s dtype or float32; default
     :func:`~.served.served_window_raw_keys` where the ring holds them so, else the normalised keys).
     ``fold_block_v`` (a power of two from ``num_warps`` to the output tile's columns): the value columns a fused fold
-    advances at a time (default ``min(block_v, FOLD_WARP_COLUMNS * num_warps)``, :data:`FOLD_WARP_COLUMNS`).
+    advances at a time (default :func:`default_fold_block_v`).
     Checkpoints and every record but ``u`` are the same bits for every choice of one warp (``num_warps`` 1, as
     served; several warps: within a unit in the last place, :data:`FOLD_WARP_COLUMNS`); outputs and ``u`` agree to
     float32 rounding. A padding row is negative in ``state_indices`` and in ``record_indices`` (serving passes one
@@ -755,7 +761,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                          "float32, or pass window_raw_keys=False")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
-    fbv = min(BV, FOLD_WARP_COLUMNS * warps) if fold_block_v is None else fold_block_v
+    fbv = default_fold_block_v(BV, warps) if fold_block_v is None else fold_block_v
     if fold_block_v is not None and (fbv < warps or fbv & (fbv - 1) or fbv > BV):
         raise ValueError(f"fold_block_v {fbv} must be a power of two from num_warps ({warps}) to the output tile's "
                          f"{BV} columns")
