@@ -202,6 +202,11 @@ def main(argv=None) -> int:
         p.error("each history must be one of 8, 16, 32, 64")
     if not 1 <= args.draft_tokens <= min(args.histories):
         p.error(f"--draft-tokens must be between 1 and the smallest history ({min(args.histories)})")
+    replay_only = [flag for flag, given in (("--window-keys", args.window_keys != "served"),
+                                            ("--one-launch", args.one_launch), ("--write-through", args.write_through))
+                   if given]
+    if args.verify_window is not None and replay_only:
+        p.error(f"{', '.join(replay_only)}: replay's kernels only; --verify-window reports compact's verify")
     if args.verify_window is not None:
         from sglang_ssm_modes.ops.compact import FAST_VERIFY_TILE
         from sglang_ssm_modes.ops.verify_window import native_tile

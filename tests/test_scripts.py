@@ -289,7 +289,9 @@ def test_kernel_registers_compiles_the_prefetching_verifies_for_sm90():
 
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
                                  ["--tilings", "medium"], ["--histories", "12"],
-                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"]])
+                                 ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"],
+                                 ["--verify-window", "--window-keys", "raw"], ["--verify-window", "16x1", "--one-launch"],
+                                 ["--verify-window", "--write-through"]])
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
         kernel_registers.main(bad)
