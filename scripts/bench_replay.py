@@ -59,7 +59,8 @@ STATELESS_IMPLS = (*NATIVE_IMPLS, "fla")
 KERNELS = {"replay_window": "window", "replay_output": "output", "replay_step": "step", "advance": "advance",
            "replay_write_through": "write-through",
            "replay_fold": "fold", "packed_decode": "decode", "fused_sigmoid_gating": "verify",
-           "verify_window": "verify", "scatter": "scatter", "replayssm": "upstream", "fused_recurrent_gated_delta_rule_fwd": "fla",
+           "verify_window": "verify", "scatter": "scatter", "replayssm": "upstream",
+           "fused_recurrent_gated_delta_rule_fwd": "fla",
            "fused_recurrent_kda_fwd": "fla"}
 
 
@@ -428,15 +429,16 @@ def write_report(result, out_dir):
              f"({result.get('fla', 'not run')}: reads and writes the state, like native).", "",
              "Kernels: device µs per step of each launch (CUDA profiler, eager), beside the CUDA-graph median.", "",
              *([result["note"], ""] if result.get("note") else []),
-             "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw | replay frac bw "
-             "| replay kernels µs | verify kernel |",
+             "| family | state | D | L | batch | fold | native µs | replay µs | speedup | native frac bw "
+             "| replay frac bw | replay kernels µs | verify kernel |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["impl"] not in NATIVE_IMPLS),
                     key=lambda r: (*key(r), r["history"] or 0, r["fold"])):
         n = nat[key(r)]
         lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['history'] or '–'} | "
                      f"{r['batch']} | "
-                     f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | {n['median_us'] / r['median_us']:.2f}× | "
+                     f"{r['fold']} | {n['median_us']:.1f} | {r['median_us']:.1f} | "
+                     f"{n['median_us'] / r['median_us']:.2f}× | "
                      f"{n['frac_copy_bw']:.2f} | {r['frac_copy_bw']:.2f} | "
                      + " + ".join(f"{k} {u:.1f}" for k, u in (r.get("kernel_us") or {}).items())
                      + f" | {r.get('verify_kernel_resources') or ''} |")
@@ -513,7 +515,8 @@ def main(argv=None) -> int:
                         "ops.replay.served.serves_write_through_verify for a verify, by batch); an "
                         "output-only decode's cursors settled once a step (:stepcursor, served) or after each "
                         "layer's decode (:layercursor). The first "
-                        "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder 16x1:w2 32x1:fma 64x1:k64:s3")
+                        "listed is plotted: list the served default first. E.g. served 16x1:k128:s2 served:inorder "
+                        "16x1:w2 32x1:fma 64x1:k64:s3")
     p.add_argument("--upstream", type=str, default=str(upstream_replayssm.DEFAULT_DIR),
                    help="folder of the extracted upstream ReplaySSM decode kernel (scripts/upstream_replayssm.py "
                         "extract); decode rows of it are added when it is there")

@@ -118,8 +118,8 @@ def write_through_resources(family: str, state_dtype: str, history: int, draft: 
     is_kda = family == "kda"
     pointers = dict(A_log="fp32", a="bf16", dt_bias="fp32", q="bf16", k="bf16", v="bf16", b="bf16", o="bf16",
                     h0_source=STATE[state_dtype], h0_indices="i32", r_u="fp32", r_kn="fp32", r_g="fp32",
-                    r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32", r_faults="i32", r_tickets="i32",
-                    rec_indices="i32")
+                    r_beta="fp32", r_kraw="bf16", r_vraw="bf16", r_count="i32", r_phase="i32", r_folds="i32",
+                    r_faults="i32", r_tickets="i32", rec_indices="i32")
     consts = dict(H=FAMILIES[family]["hk"], HV=FAMILIES[family]["hv"], K=K, V=V,
                   BV=min(write_through_block_v(is_kda, DTYPES[state_dtype], draft), V),
                   L=history, IS_KDA=is_kda, BETA_ACTIVATED=is_kda, ROUND_BETA=not (is_kda or draft),
@@ -188,8 +188,8 @@ def main(argv=None) -> int:
                    help="also the write-through kernel (ops.replay.write_through): plain decode at --draft-tokens 1, "
                         "verify above")
     p.add_argument("--prefetch", action="store_true",
-                   help="the verifies loading each token's inputs one step ahead (not served): the write-through verify "
-                        "and, with --verify-window, compact's")
+                   help="the verifies loading each token's inputs one step ahead (not served): the write-through "
+                        "verify and, with --verify-window, compact's")
     p.add_argument("--window-keys", choices=["served", "raw", "normalised"], default="served",
                    help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys) or "
                         "reading the normalised ones (default: ops.replay.served.served_window_raw_keys)")

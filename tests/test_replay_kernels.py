@@ -136,8 +136,8 @@ def test_decode_and_fold_bit_identical_to_sglang_decode_float32(family, hk, hv, 
 def test_fused_fold_equals_fold_then_verify(family, hk, hv, d, L, state_dtype):
     """The verify kernel's fused fold + ``advance(window=T)``, with the output launch in fold-first order
     (default) and in request order (on an sm90 GPU overlapping the window launch: ``pdl``), against the separate
-    fold kernel + cursor update + verify, on the same inputs round after round (accepted 0..D, padding rows, requests folding at different rounds):
-    outputs, checkpoints, every ring buffer and the cursors bit for bit."""
+    fold kernel + cursor update + verify, on the same inputs round after round (accepted 0..D, padding rows, requests
+    folding at different rounds): outputs, checkpoints, every ring buffer and the cursors bit for bit."""
     n, kdim, vdim = 5, 16, 32
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=48 + d)
     gen = torch.Generator().manual_seed(49)
@@ -299,16 +299,18 @@ def test_fold_block_v_reaches_the_output_launch(monkeypatch):
                       block_v=64, num_warps=4, fold_block_v=2)
 
 
-@pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"), ("gdn", 2, 4, True, "served"),
-                                                         ("kda", 2, 2, False, "argument"), ("kda", 2, 2, False, "served")])
+@pytest.mark.parametrize("family,hk,hv,key_heads,via", [("gdn", 2, 4, False, "argument"),
+                                                         ("gdn", 2, 4, True, "served"),
+                                                         ("kda", 2, 2, False, "argument"),
+                                                         ("kda", 2, 2, False, "served")])
 def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, via, monkeypatch):
     """``window_raw_keys`` (passed, or served: the family's row in :data:`~.served.SERVED_WINDOW_RAW_KEYS`): the
     window launch takes the history's keys from the raw records alone — with every stored normalised history key
     wiped, its outputs, checkpoints and records are those of the stored keys' launch on an intact ring (outputs and
     ``u`` to float32 rounding), while the stored keys' launch on the wiped ring goes wrong. No request folds (a fold
     replays the raw records either way): the window reads 5 history records, their raw keys of norm ~0.005 (where
-    SGLang's epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the keys
-    (bfloat16 for float32 keys) is refused when asked for, and served the normalised keys."""
+    SGLang's epsilon inside the square root, not beside it, shows in ``u``) and one of them zero. A ring rounding the
+    keys (bfloat16 for float32 keys) is refused when asked for, and served the normalised keys."""
     n, d, L, kdim, vdim = 3, 2, 8, 32, 16
     params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=52)
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
@@ -457,7 +459,8 @@ def test_request_count_is_not_a_compile_time_constant():
     write-through's ``T``: 1 for a decode, a server's D for a verify, fixed for the server's life); so are the
     fold's slot counts per layer (a materialise into a temporary of N requests has N)."""
     for jit, runtime in ((replay_window_kernel, {"N", "T"}), (replay_output_kernel, {"T"}), (replay_step_kernel, {"T"}),
-                         (fold_order_kernel, {"N", "T"}), (replay_fold_kernel, {"src_slots", "dst_slots", "R", "window"}),
+                         (fold_order_kernel, {"N", "T"}),
+                         (replay_fold_kernel, {"src_slots", "dst_slots", "R", "window"}),
                          (replay_write_through_kernel, set())):
         params = inspect.signature(jit.fn).parameters
         assert not any(params[name].annotation is not inspect.Parameter.empty

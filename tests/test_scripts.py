@@ -27,7 +27,8 @@ def test_bench_compact_refuses_to_run_without_a_gpu():
 
 
 @pytest.mark.parametrize("bad", [["--verify-tiles", "12x1"], ["--verify-tiles", "16"], ["--verify-tiles", "16x16"],
-                                 ["--verify-tiles", "16x1:prefetched"], ["--verify-tiles", "natives"], ["--batches", "0"]])
+                                 ["--verify-tiles", "16x1:prefetched"], ["--verify-tiles", "natives"],
+                                 ["--batches", "0"]])
 def test_bench_compact_validates_arguments(bad, monkeypatch):
     monkeypatch.setattr(bench_compact.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as exc:
@@ -48,8 +49,8 @@ def test_bench_compact_report_from_rows(tmp_path):
     shared commit, and one extra tile's verify — each figure lands in its column."""
     def row(op, impl, variant, us, path="p"):
         return dict(op=op, family="gdn", impl=impl, variant=variant, state_dtype="float32", batch=64, draft_tokens=4,
-                    median_us=us, bytes_min=1, frac_copy_bw=0.5, bytes_per_request=100 if impl != "ours-compact" else 20,
-                    path=path, mean_accepted=2.5)
+                    median_us=us, bytes_min=1, frac_copy_bw=0.5,
+                    bytes_per_request=100 if impl != "ours-compact" else 20, path=path, mean_accepted=2.5)
     native = "sglang-0.5.14-native"
     rows = [row("spec_round", native, None, 100.0), row("verify", native, None, 70.0),
             row("commit", native, None, 30.0), row("commit", "ours-compact", None, 20.0),
@@ -61,8 +62,8 @@ def test_bench_compact_report_from_rows(tmp_path):
     bench_compact.write_report(result, str(tmp_path))
     assert json.loads((tmp_path / "compact_h200.json").read_text())["rows"] == rows
     table = (tmp_path / "compact_h200.md").read_text()
-    assert ("| gdn | float32 | 4 | 64 | 100.0 | 80.0 | 1.25× | 50.0 | 2.00× | 70.0 + 30.0 | 60.0 + 20.0 | 30.0 + 20.0 | "
-            "0.50 | 0.50 | 0.50 | 0.20× |") in table
+    assert ("| gdn | float32 | 4 | 64 | 100.0 | 80.0 | 1.25× | 50.0 | 2.00× | 70.0 + 30.0 | 60.0 + 20.0 "
+            "| 30.0 + 20.0 | 0.50 | 0.50 | 0.50 | 0.20× |") in table
     assert "| gdn | float32 | 4 | 64 | verify_window(records,BV8xW1) | 40.0 | 1.50× |" in table
     assert (tmp_path / "compact_h200.png").stat().st_size > 0
 
@@ -110,8 +111,10 @@ import bench_replay  # noqa: E402
 def test_bench_replay_variants_name_the_launch_options():
     p = bench_replay.argparse.ArgumentParser()
     assert bench_replay.parse_variants(p, ["16x1", "32x2:w1:fma", "64x4:dot", "16x1:inorder", "16x1:foldfirst"]) == [
-        ("16x1", dict(block_v=16, num_warps=1)), ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
-        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)), ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
+        ("16x1", dict(block_v=16, num_warps=1)),
+        ("32x2:w1:fma", dict(block_v=32, num_warps=2, window_warps=1, dot=False)),
+        ("64x4:dot", dict(block_v=64, num_warps=4, dot=True)),
+        ("16x1:inorder", dict(block_v=16, num_warps=1, fold_first=False)),
         ("16x1:foldfirst", dict(block_v=16, num_warps=1, fold_first=True))]
     assert bench_replay.parse_variants(p, ["served:one", "16x1:two"]) == [
         ("served:one", dict(launches=1)), ("16x1:two", dict(block_v=16, num_warps=1, launches=2))]
@@ -170,10 +173,12 @@ def test_bench_replay_report_from_rows(tmp_path):
                 path="p")
     rows = [dict(base, op="decode", impl="sglang-0.5.14-native", history=None, fold=None, median_us=140.0,
                  frac_copy_bw=0.9),
-            dict(base, op="decode", impl="ours-replay", history=16, fold="fused 32x4", median_us=100.0, frac_copy_bw=0.7,
-                 verify_kernel_resources="168 regs, 0 spills", kernel_us={"window": 20.0, "output": 78.5}),
+            dict(base, op="decode", impl="ours-replay", history=16, fold="fused 32x4", median_us=100.0,
+                 frac_copy_bw=0.7, verify_kernel_resources="168 regs, 0 spills",
+                 kernel_us={"window": 20.0, "output": 78.5}),
             dict(base, op="decode", impl="ours-replay", history=16, fold="separate", median_us=175.0, frac_copy_bw=0.4),
-            dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0, frac_copy_bw=0.7),
+            dict(base, op="decode", impl="ours-replay", history=32, fold="fused 32x4", median_us=112.0,
+                 frac_copy_bw=0.7),
             dict(base, op="decode", impl="upstream-replayssm", history=16, fold="upstream", median_us=120.0,
                  frac_copy_bw=0.6, kernel_us={"upstream": 110.0}),
             dict(base, op="decode", impl="fla", history=None, fold="fla", median_us=150.0, frac_copy_bw=0.85,
@@ -181,11 +186,12 @@ def test_bench_replay_report_from_rows(tmp_path):
     bench_replay.write_report(dict(gpu="GPU", date="d", commit="c", copy_bw_gbps=4000.0, upstream="sglang-0.5.23-x.whl",
                                    fla="fla_core-0.6.0-y.whl", rows=rows), str(tmp_path))
     table = (tmp_path / "replay_h200.md").read_text()
-    assert ("| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 | window 20.0 + output 78.5 "
-            "| 168 regs, 0 spills |") in table
+    assert ("| kda | float32 | 1 | 16 | 128 | fused 32x4 | 140.0 | 100.0 | 1.40× | 0.90 | 0.70 "
+            "| window 20.0 + output 78.5 | 168 regs, 0 spills |") in table
     assert "| kda | float32 | 1 | 16 | 128 | separate | 140.0 | 175.0 | 0.80× |" in table
     assert "| kda | float32 | 1 | 32 | 128 | fused 32x4 | 140.0 | 112.0 | 1.25× |" in table
-    assert "| kda | float32 | 1 | 16 | 128 | upstream | 140.0 | 120.0 | 1.17× | 0.90 | 0.60 | upstream 110.0 |" in table
+    assert ("| kda | float32 | 1 | 16 | 128 | upstream | 140.0 | 120.0 | 1.17× | 0.90 | 0.60 "
+            "| upstream 110.0 |") in table
     assert "| kda | float32 | 1 | – | 128 | fla | 140.0 | 150.0 | 0.93× | 0.90 | 0.85 | fla 145.0 |" in table
     assert "(sglang-0.5.23-x.whl)" in table and "(fla_core-0.6.0-y.whl:" in table
     assert (tmp_path / "replay_h200.png").stat().st_size > 0
@@ -290,7 +296,8 @@ def test_kernel_registers_compiles_the_prefetching_verifies_for_sm90():
 @pytest.mark.parametrize("bad", [["--tilings", "24x4"], ["--tilings", "32"], ["--tilings", "32x1:k24"],
                                  ["--tilings", "medium"], ["--histories", "12"],
                                  ["--histories", "8", "--draft-tokens", "9"], ["--draft-tokens", "0"],
-                                 ["--verify-window", "--window-keys", "raw"], ["--verify-window", "16x1", "--one-launch"],
+                                 ["--verify-window", "--window-keys", "raw"],
+                                 ["--verify-window", "16x1", "--one-launch"],
                                  ["--verify-window", "--write-through"]])
 def test_kernel_registers_validates_arguments(bad):
     with pytest.raises(SystemExit):
@@ -327,7 +334,8 @@ def test_bench_commit_report_from_rows(tmp_path):
     rows = [dict(op="commit", family="gdn", mode=m, impl=i, state_dtype="float32", batch=8, draft_tokens=4,
                  track=False, host_us=h, span_us=s, launches=n, kernels=["k"], path="p")
             for m, i, h, s, n in (("native", "sglang-0.5.14-native", 60.0, 100.0, 4),
-                                  ("compact", "ours-compact", 70.0, 110.0, 3), ("replay", "ours-replay", 65.0, 20.0, 3))]
+                                  ("compact", "ours-compact", 70.0, 110.0, 3),
+                                  ("replay", "ours-replay", 65.0, 20.0, 3))]
     meta = dict(gpu="GPU", date="2026-12-05", commit="abc", layers=36, draft_tokens=4, history=16,
                 state_dtype="float32")
     bench_commit.write_report(str(tmp_path), meta, rows)
