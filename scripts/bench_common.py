@@ -38,7 +38,8 @@ def make_inputs(family, batch, d, act, gen):
     a = rn(t, hv * K) if family == "kda" else rn(t, hv)
     A_log = torch.log(torch.empty(hv, device="cuda").uniform_(1, 16, generator=gen))
     dt_bias = torch.randn(hv * K if family == "kda" else hv, generator=gen, device="cuda") * 0.1 - 4
-    return dict(q=rn(1, t, hk, K), k=rn(1, t, hk, K), v=rn(1, t, hv, V), a=a, b=rn(1, t, hv), A_log=A_log, dt_bias=dt_bias)
+    return dict(q=rn(1, t, hk, K), k=rn(1, t, hk, K), v=rn(1, t, hv, V), a=a, b=rn(1, t, hv), A_log=A_log,
+                dt_bias=dt_bias)
 
 
 def time_graph(fn, rounds: int, repeats: int = 20) -> float:

@@ -171,12 +171,13 @@ def write_report(result, out_dir):
             if r.get("variant") != "tile"}
     cases = sorted({key(r) for r in rows})
     lines = [f"# Compact vs native speculative round — {result['gpu']}, {result['date']}, commit {result['commit']}",
-             "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).", "",
+             "", f"Copy bandwidth {result['copy_bw_gbps']:.0f} GB/s. Speedup = native µs / compact µs (same run).",
+             "",
              "Native: GDN SGLang 0.5.14's kernels, KDA ours (SGLang has no KDA verify). Compact as served: `exact` "
              "(default; native's verify tiling, outputs native's bits) and `fast` (`--ssm-compact-verify fast`); the "
              "committed state is native's bits in both. Parts: verify + accept/commit µs.", "",
-             "| family | state | D | batch | native µs | exact µs | exact | fast µs | fast | native parts | exact parts "
-             "| fast parts | native frac bw | exact frac bw | fast frac bw | mem/req native→compact |",
+             "| family | state | D | batch | native µs | exact µs | exact | fast µs | fast | native parts "
+             "| exact parts | fast parts | native frac bw | exact frac bw | fast frac bw | mem/req native→compact |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     points = {}
     for c in cases:
@@ -192,14 +193,16 @@ def write_report(result, out_dir):
             points.setdefault(c[0], {}).setdefault(label, []).append((c[3], speedup[variant]))
         (ex, exv), (fa, fav) = cells
         lines.append(f"| {c[0]} | {c[1]} | {c[2]} | {c[3]} | {n['median_us']:.1f} | {ex['median_us']:.1f} | "
-                     f"{speedup['exact']:.2f}× | {fa['median_us']:.1f} | {speedup['fast']:.2f}× | {nv['median_us']:.1f} + "
-                     f"{nc['median_us']:.1f} | {exv['median_us']:.1f} + {cc['median_us']:.1f} | {fav['median_us']:.1f} + "
-                     f"{cc['median_us']:.1f} | {n['frac_copy_bw']:.2f} | {ex['frac_copy_bw']:.2f} | {fa['frac_copy_bw']:.2f} | "
+                     f"{speedup['exact']:.2f}× | {fa['median_us']:.1f} | {speedup['fast']:.2f}× | "
+                     f"{nv['median_us']:.1f} + {nc['median_us']:.1f} | {exv['median_us']:.1f} + "
+                     f"{cc['median_us']:.1f} | {fav['median_us']:.1f} + {cc['median_us']:.1f} | "
+                     f"{n['frac_copy_bw']:.2f} | {ex['frac_copy_bw']:.2f} | {fa['frac_copy_bw']:.2f} | "
                      f"{ex['bytes_per_request'] / n['bytes_per_request']:.2f}× |")
     swept = [r for r in rows if r.get("variant") == "tile"]
     if swept:
         lines += ["", "Other verify tiles (verify alone; against the exact verify of the same case):", "",
-                  "| family | state | D | batch | verify | µs | exact verify / this |", "|---|---|---|---|---|---|---|"]
+                  "| family | state | D | batch | verify | µs | exact verify / this |",
+                  "|---|---|---|---|---|---|---|"]
         for r in sorted(swept, key=lambda r: (key(r), r["path"])):
             exact = part[("verify", True, "exact") + key(r)]["median_us"]
             lines.append(f"| {r['family']} | {r['state_dtype']} | {r['draft_tokens']} | {r['batch']} | {r['path']} | "
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=args.commit,
                   copy_bw_gbps=round(bw, 1), torch=torch.__version__, state_dtypes=args.state_dtypes,
                   draft_tokens=args.draft_tokens, rows=[])
-    cases = [(f, dt, b, d) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens for b in args.batches]
+    cases = [(f, dt, b, d) for f in args.families for dt in args.state_dtypes for d in args.draft_tokens
+             for b in args.batches]
     os.makedirs(args.out, exist_ok=True)
     for case in tqdm(cases, desc="compact bench", mininterval=5):
         result["rows"] += bench_case(*case, bw, tiles)

@@ -78,8 +78,10 @@ def write_markdown(report: dict, path: Path) -> None:
     for r in report["rows"]:
         lines.append(
             f"| {r['config']} | {r['concurrency']} | {r['spec']} | {r['draft_tokens']} | {r['state_dtype']} | "
-            f"{_fmt(r['max_abs_logprob_diff'])} | {_fmt(r['token_agreement'])} | {_fmt(r['tokens_equal_native'], '{}')} | "
-            f"{_fmt(r.get('unexplained_divergences'), '{}')} | {_fmt(r['tpot_ms'])} | {_fmt(r['throughput_tok_s'], '{:.0f}')} | "
+            f"{_fmt(r['max_abs_logprob_diff'])} | {_fmt(r['token_agreement'])} | "
+            f"{_fmt(r['tokens_equal_native'], '{}')} | "
+            f"{_fmt(r.get('unexplained_divergences'), '{}')} | {_fmt(r['tpot_ms'])} | "
+            f"{_fmt(r['throughput_tok_s'], '{:.0f}')} | "
             f"{_fmt(r.get('accept_length'))} | {_fmt(r['max_running_requests'], '{}')} | "
             f"{_fmt(r.get('mamba_pool_slots'), '{}')} | "
             f"{_fmt(None if r['mamba_pool_bytes'] is None else r['mamba_pool_bytes'] / (1 << 30), '{:.2f}')} |")

@@ -355,7 +355,8 @@ def run_gsm8k(url: str, name: str, args) -> dict:
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     server = json.loads((out / "gsm8k.json").read_text())["servers"][0]
     return {"accuracy": server["accuracy"], "invalid": server["invalid"],
-            "answers": [q["pred"] for q in server["questions"]], "responses": [q["response"] for q in server["questions"]]}
+            "answers": [q["pred"] for q in server["questions"]],
+            "responses": [q["response"] for q in server["questions"]]}
 
 
 SERVER_INFO = ("max_total_num_tokens", "max_running_requests", "max_mamba_cache_size", "ssm_mode_config", "tp_size",
@@ -491,8 +492,9 @@ def main(argv=None) -> int:
                 "batch) and --speed-tokens must be >= 2 (TPOT needs two tokens)")
     evicting = [c for c in args.configs if "hicacheevict" in MATRIX[c]["variants"]]
     if evicting and args.prompt_len < EVICT_PROMPT_LEN:
-        p.error(f"{evicting} need --prompt-len {EVICT_PROMPT_LEN} or more: under extra_buffer (Qwen3-Next, speculation) "
-                f"SGLang caches a shorter prompt's prefix nowhere, so nothing would be loaded back from the host")
+        p.error(f"{evicting} need --prompt-len {EVICT_PROMPT_LEN} or more: under extra_buffer (Qwen3-Next, "
+                f"speculation) SGLang caches a shorter prompt's prefix nowhere, so nothing would be loaded back "
+                f"from the host")
     if not 0 <= args.gsm8k <= 1300:
         p.error("--gsm8k takes 0 (off) to 1300 questions")
     gpus = _gpu_count()
@@ -586,14 +588,15 @@ def _write(out: Path, configs: list[dict], settings: dict) -> None:
                                    None) or installed_version("sglang")}
     (out / "e2e_h200.json").write_text(json.dumps({**meta, "settings": settings, "rows": table_rows(configs),
                                                    "configs": slim}, indent=1))
-    lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | max Δlogprob gen | "
-             "unexplained div. | error |", "|" + "---|" * 10]
+    lines = ["| config | started | start s | tok/s | accept len | greedy agree | max Δlogprob TF | "
+             "max Δlogprob gen | unexplained div. | error |", "|" + "---|" * 10]
     for r in slim:
         par, sp = r.get("parity", {}), r.get("speed", {})
         fmt = lambda x, f="{:.3g}": "" if x is None else f.format(x)  # noqa: E731
         lines.append(f"| {r['name']} | {r['started']} | {fmt(r.get('start_s'))} | {fmt(sp.get('tokens_per_s'))} | "
                      f"{fmt(sp.get('accept_length'))} | {fmt(par.get('greedy_agreement'))} | "
-                     f"{fmt(par.get('max_logprob_diff_teacher_forced'))} | {fmt(par.get('max_logprob_diff_generated'))} | "
+                     f"{fmt(par.get('max_logprob_diff_teacher_forced'))} | "
+                     f"{fmt(par.get('max_logprob_diff_generated'))} | "
                      f"{fmt(par.get('unexplained_divergences'), '{}')} | {(r.get('error') or '')[:80]} |")
     (out / "e2e_h200.md").write_text(f"# E2E servers — {meta}\n\n" + "\n".join(lines) + "\n")
 

@@ -83,7 +83,8 @@ def write_report(result: dict, out: str) -> None:
     for r in result["rows"]:
         by.setdefault((r["family"], r["tokens"]), {})[r["impl"]] = r["rel_err"]
     for (family, tokens), errs in sorted(by.items()):
-        lines.append(f"| {family} | {tokens} | {errs['sglang-0.5.14-native-bf16']:.3g} | {errs['ours-replay-bf16']:.3g} |")
+        lines.append(f"| {family} | {tokens} | {errs['sglang-0.5.14-native-bf16']:.3g} | "
+                     f"{errs['ours-replay-bf16']:.3g} |")
     with open(os.path.join(out, "replay_drift.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib

@@ -42,7 +42,8 @@ def test_parity_and_reports(fake_servers):
     out = fake_servers
     configs = ["qwen3-next-compact-nextn", "qwen3-next-replay-L16-nextn", "qwen3-next-native-nextn",
                "qwen3-next-native-nextn-bf16", "qwen3-next-compact-nextn-bf16"]
-    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs, "--prompts", "3", "--new-tokens", "12",
+    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", *configs,
+                           "--prompts", "3", "--new-tokens", "12",
                            "--port", "31900", "--start-timeout", "60"])
     assert rc == 0
     report = json.loads((out / "e2e_h200.json").read_text())
@@ -78,7 +79,8 @@ def test_parity_and_reports(fake_servers):
     merged = json.loads((out / "merged" / "e2e_h200.json").read_text())
     assert merged["commit"] == "later" and len(merged["rows"]) == len(report["rows"])
     assert {r["tpot_ms"] for r in merged["rows"] if r["config"] == "qwen3-next-replay-L16-nextn"} == {99.0}
-    assert "qwen3-next-native-nospec" in merged["core_missing"] and "qwen3-next-native-nextn" not in merged["core_missing"]
+    assert ("qwen3-next-native-nospec" in merged["core_missing"]
+            and "qwen3-next-native-nextn" not in merged["core_missing"])
     assert merged["rows"][0]["config"] == "qwen3-next-native-nextn"  # core matrix first
     merged_md = (out / "merged" / "e2e_h200.md").read_text()
     assert "| qwen3-next-replay-L16-nextn | 32 |" in merged_md and "near-tie tolerance 0.05" in merged_md
@@ -87,7 +89,8 @@ def test_parity_and_reports(fake_servers):
 
 def test_unexplained_divergence_and_failed_start_fail_the_run(fake_servers):
     out = fake_servers
-    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs", "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
+    rc = e2e_servers.main(["--out", str(out), "--models", str(out / "models"), "--configs",
+                           "kimi-linear-native-ngram", "kimi-linear-compact-ngram-nograph",
                            "kimi-linear-replay-L16-ngram-noradix", "--prompts", "2", "--new-tokens", "8",
                            "--port", "31950", "--start-timeout", "60", "--gsm8k", "3"])
     assert rc == 1
@@ -199,12 +202,12 @@ def test_every_configuration_parses_with_sglangs_parser_and_the_plugin(tmp_path)
 
 
 def test_ssm_metrics_are_read_from_a_prometheus_page():
-    page = """# HELP sglang:ssm_state_folds_total Replay histories folded into their checkpoints.
+    page = ("""# HELP sglang:ssm_state_folds_total Replay histories folded into their checkpoints.
 sglang:num_running_reqs{model_name="m",tp_rank="0"} 3.0
 sglang:ssm_state_folds_total{model_name="m",tp_rank="0"} 12.0
 sglang:ssm_state_faults_total{kind="nonfinite",model_name="m"} 0.0
-sglang:ssm_state_mode_info{decode_path="replay",draft_tokens="4",history="16",mode="replay",model_name="m",verify_path="replay"} 1.0
-"""
+""" 'sglang:ssm_state_mode_info{decode_path="replay",draft_tokens="4",history="16",mode="replay",model_name="m",'
+            'verify_path="replay"} 1.0\n')
     assert e2e_servers.ssm_metrics(page) == {
         "sglang:ssm_state_folds_total": 12.0, 'sglang:ssm_state_faults_total{kind="nonfinite"}': 0.0,
         'sglang:ssm_state_mode_info{decode_path="replay",draft_tokens="4",history="16",mode="replay",'

@@ -199,7 +199,8 @@ def test_three_servers_end_to_end_with_sglang_ci_defaults(fakes, tmp_path, sglan
     assert [r["name"] for r in res["servers"]] == ["native", "compact", "replay"]
     assert (by["native"]["accuracy"], by["compact"]["accuracy"], by["replay"]["accuracy"]) == (1.0, 0.0, 0.5)
     assert (by["native"]["invalid"], by["compact"]["invalid"], by["replay"]["invalid"]) == (0.0, 0.5, 0.5)
-    assert (by["native"]["ssm_mode"], by["compact"]["ssm_mode"], by["replay"]["ssm_mode"]) == ("native", "compact", None)
+    assert ((by["native"]["ssm_mode"], by["compact"]["ssm_mode"], by["replay"]["ssm_mode"])
+            == ("native", "compact", None))
     assert by["native"]["server_version"] == "0.5.14" and by["native"]["model"] == "fake-model"
     for r in res["servers"]:
         assert r["request_errors"] == 0 and r["latency_s"] > 0 and r["output_throughput"] > 0

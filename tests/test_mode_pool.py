@@ -68,7 +68,8 @@ def test_buffers_and_memory_per_mode(cuda_scratch_on_cpu):
     for pool in (compact, replay):
         assert type(pool.mamba_cache) is ConvScratchState, "no intermediate_ssm; SGLang's conv-window scratch"
         assert pool.mamba_cache.temporal.shape == native.mamba_cache.temporal.shape
-        for mine, sglangs in zip(pool.mamba_cache.intermediate_conv_window, native.mamba_cache.intermediate_conv_window):
+        for mine, sglangs in zip(pool.mamba_cache.intermediate_conv_window,
+                                 native.mamba_cache.intermediate_conv_window):
             assert mine.shape == sglangs.shape and mine.stride() == sglangs.stride()
     assert compact.compact_records.k.shape == (LAYERS, 7, 4, HK, KD) and compact.replay_rings is None
     assert replay.replay_rings.u.shape == (LAYERS, 7, 16, HV, VD) and replay.compact_records is None

@@ -96,7 +96,8 @@ def test_pool_observer_reports_faults_once_and_fills_the_metrics(caplog):
     rings.folds[0, 2], rings.folds[0, 4] = 2, 1
     rings.faults[1, 5] = FAULT_NONFINITE | FAULT_OVERFLOW
     running = [_req("req-a", 2), _req("req-b", 5)]
-    pool.copy_from(torch.tensor([2], device=DEVICE), torch.tensor([3], device=DEVICE))  # a radix-cache copy: one materialisation
+    # a radix-cache copy: one materialisation
+    pool.copy_from(torch.tensor([2], device=DEVICE), torch.tensor([3], device=DEVICE))
     with caplog.at_level(logging.ERROR, logger=metrics.__name__):
         observer.poll(running)  # starts the snapshot (on the CPU its copy is done at once)
         assert not caplog.records

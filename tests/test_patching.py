@@ -53,7 +53,8 @@ def test_other_sglang_versions_are_refused(sglang_copy):
 
 def test_a_modified_file_is_a_conflict_and_nothing_changes(sglang_copy):
     target = sglang_copy / TARGET
-    target.write_text(target.read_text().replace("    HookRegistry.apply_hooks()\n", "    HookRegistry.apply_hooks()  # x\n"))
+    target.write_text(target.read_text().replace("    HookRegistry.apply_hooks()\n",
+                                                 "    HookRegistry.apply_hooks()  # x\n"))
     before = target.read_bytes()
     code, report = run_patch("apply", sglang_copy, "0.5.14")
     assert code == 1 and "conflict" in report[-1]

@@ -96,8 +96,8 @@ def results(tmp_path_factory):
     (model / "config.json").write_text(json.dumps(QWEN3_NEXT_SMALL))
     llama = tmp_path_factory.mktemp("llama_small")
     (llama / "config.json").write_text(json.dumps(LLAMA_SMALL))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(llama), json.dumps(CASES)], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(model), str(llama), json.dumps(CASES)],
+                          capture_output=True, text=True, timeout=600)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(line[0][len("RESULT"):])
@@ -123,7 +123,8 @@ def test_flags_resolve_through_prepare_server_args(results):
     assert results["compact_fast"] == {"mode": "compact", "history": 16, "draft_tokens": 4, "compact_verify": "fast"}
     assert results["compact_fast_env"]["compact_verify"] == "fast"
     assert results["fast_env_replay"]["compact_verify"] == "exact", "the environment's applies to compact only"
-    assert results["replay_pd"] == {"mode": "replay", "history": 16, "draft_tokens": 1, "compact_verify": "exact"}, "replay serves PD"
+    assert results["replay_pd"] == {"mode": "replay", "history": 16, "draft_tokens": 1,
+                                    "compact_verify": "exact"}, "replay serves PD"
 
 
 def test_flags_override_the_environment_before_either_is_checked(results):

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version_at(root: Path) -> str:
-    match = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", (root / "sglang" / "_version.py").read_text())
+    match = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
+                      (root / "sglang" / "_version.py").read_text())
     if not match:
         raise SystemExit(f"cannot read the SGLang version under {root}/sglang/_version.py")
     return match.group(1)

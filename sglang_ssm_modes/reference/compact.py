@@ -83,7 +83,8 @@ def compact_commit(state: torch.Tensor, records: CompactRecords, last_index: tor
             continue
         h = state[i:i + 1].to(compute_dtype)
         for node in path:
-            h, _, _ = delta_rule_step(h, None, k[i:i + 1, node], v[i:i + 1, node], g[i:i + 1, node], beta[i:i + 1, node])
+            h, _, _ = delta_rule_step(h, None, k[i:i + 1, node], v[i:i + 1, node], g[i:i + 1, node],
+                                      beta[i:i + 1, node])
             if parents is not None:
                 h = h.to(state.dtype).to(compute_dtype)
         out[i] = h[0].to(state.dtype)

@@ -140,7 +140,8 @@ def scatter_accepted(state: torch.Tensor, intermediates: torch.Tensor, last_inde
 
 
 def chunked_prefill(state: torch.Tensor, inputs: LinearAttnInputs, params: GateParams,
-                    chunk_size: int = 64, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int = 64,
+                    compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-parallel prefill (the algebra of ``chunk_gated_delta_rule`` / ``chunk_kda``): within a
     chunk the tokens are solved together (UT / WY form), across chunks the state is carried in
     ``compute_dtype`` and rounded once at the end.

@@ -31,7 +31,8 @@ def random_inputs(family: Family, batch: int, tokens: int, num_k_heads: int, num
         return torch.randn(*shape, generator=generator).to(dtype)
 
     a_shape = (batch, tokens, num_v_heads) if family == "gdn" else (batch, tokens, num_v_heads, head_k_dim)
-    return LinearAttnInputs(q=randn(batch, tokens, num_k_heads, head_k_dim), k=randn(batch, tokens, num_k_heads, head_k_dim),
+    return LinearAttnInputs(q=randn(batch, tokens, num_k_heads, head_k_dim),
+                            k=randn(batch, tokens, num_k_heads, head_k_dim),
                             v=randn(batch, tokens, num_v_heads, head_v_dim), a=randn(*a_shape),
                             b=randn(batch, tokens, num_v_heads))
 

@@ -54,7 +54,8 @@ class ReplayRecords:
 
 
 def replay_forward(checkpoint: torch.Tensor, history: ReplayRecords | None, inputs: LinearAttnInputs,
-                   params: GateParams, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ReplayRecords]:
+                   params: GateParams,
+                   compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ReplayRecords]:
     """Outputs of new tokens against ``checkpoint`` ``[N, HV, V, K]`` plus ``history`` (records since
     the checkpoint, or None), and the new tokens' records. The checkpoint is only read.
 
