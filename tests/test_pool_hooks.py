@@ -341,6 +341,9 @@ def test_hicache_loaded_slots_start_with_an_empty_history(mode, cuda_scratch_on_
                                              "bench/results/replay/writethrough_verify_20261205, commits 08d2506 "
                                              "and 7f7be68, H100); output-only from 32: 1.90-2.17x"),
     ("kda", 32, torch.float32, 1, 1, "INFO", "output-only from 64: 1.00-1.04x native from 64 to 256"),
+    ("kda", 32, torch.float32, 1, 1, "INFO", "raw keys, as served since, 1.07 / 1.06 / 1.04x at 64 / 128 / 256"),
+    ("kda", 32, torch.float32, 2, 1, "INFO", "a D = 2 window reading the history's raw keys, as served since, "
+                                             "1.71 / 2.01 / 2.12x"),
     ("gdn", 64, torch.float32, 4, 1, "INFO", "plain decode writes through below 112 requests per step"),
     ("kda", 64, torch.float32, 1, 1, "INFO", "1.00-1.34x native at every batch measured (8 value columns a program)"),
     ("gdn", 32, torch.float32, 1, 1, "INFO", "below 40 requests per step"),

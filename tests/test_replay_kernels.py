@@ -317,7 +317,7 @@ def test_window_raw_keys_read_the_raw_records_only(family, hk, hv, key_heads, vi
     inp = to_device(flat_inputs(x, family, n, d), DEVICE)
     runs = {}
     if via == "served":
-        monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", frozenset({(family, 16)}))
+        monkeypatch.setattr(served_module, "SERVED_WINDOW_RAW_KEYS", frozenset({(family, 16, d)}))
     raw = True if via == "argument" else None
 
     def history():  # a history the window reads, its keys tiny, one of them zero
@@ -568,14 +568,16 @@ def test_gdn_window_launches_are_served_per_key_head():
         False, True, False, False]
 
 
-def test_kda_verify_windows_at_short_histories_are_served_raw_keys(monkeypatch):
-    """The window launch renormalises the history's raw keys for a KDA verify (more than one token) at L <= 16 in two
-    launches — the rows of :data:`~.served.SERVED_WINDOW_RAW_KEYS` — and reads the normalised keys elsewhere: GDN, a
-    plain decode, L = 32 and 64, one launch; and ``replay_verify`` launches what that says."""
-    assert served_module.SERVED_WINDOW_RAW_KEYS == {("kda", 16)}
+def test_kda_windows_served_raw_keys_are_the_measured_rows(monkeypatch):
+    """The window launch renormalises the history's raw keys for KDA in two launches at the rows of
+    :data:`~.served.SERVED_WINDOW_RAW_KEYS` — a verify of 2 to 4 tokens at L <= 16, a decode and a verify of 2 tokens
+    at L = 32 — and reads the normalised keys elsewhere: GDN, a decode at L <= 16, 3 to 4 tokens at L = 32, windows
+    of 5 tokens or more (not timed), L = 64, one launch; and ``replay_verify`` launches what that says."""
+    assert served_module.SERVED_WINDOW_RAW_KEYS == {("kda", 16, 2), ("kda", 16, 4), ("kda", 32, 1), ("kda", 32, 2)}
     chosen = {(kda, launches, L, T): served_module.served_window_raw_keys(launches, kda, L, T)
-              for kda in (False, True) for launches in (1, 2) for L in (8, 16, 32, 64) for T in (1, 2, 4)}
-    assert {key for key, raw in chosen.items() if raw} == {(True, 2, L, T) for L in (8, 16) for T in (2, 4)}
+              for kda in (False, True) for launches in (1, 2) for L in (8, 16, 32, 64) for T in (1, 2, 3, 4, 5, 8)}
+    assert {key for key, raw in chosen.items() if raw} == (
+        {(True, 2, L, T) for L in (8, 16) for T in (2, 3, 4)} | {(True, 2, 32, 1), (True, 2, 32, 2)})
     seen = []
 
     class Launch:  # records the window launch's RAW_KEYS instead of running it
@@ -586,7 +588,7 @@ def test_kda_verify_windows_at_short_histories_are_served_raw_keys(monkeypatch):
     monkeypatch.setattr(replay_verify_module, "replay_output_kernel", type("Skip", (), {
         "__getitem__": lambda self, grid: lambda *args, **kwargs: None})())
     for family, d, L, raw in (("kda", 2, 16, True), ("kda", 1, 16, False), ("kda", 4, 32, False),
-                              ("gdn", 4, 16, False)):
+                              ("kda", 1, 32, True), ("gdn", 4, 16, False)):
         n, hk, hv, kdim, vdim = 2, 1, 2, 16, 16
         params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=82)
         ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)

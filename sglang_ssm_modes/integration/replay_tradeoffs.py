@@ -39,7 +39,9 @@ OUTPUT_ONLY_DECODE = {
     ("gdn", 32, 4): ("1.12 / 1.24 / 1.31x native at 40 / 48 / 56 running requests (bench/results/replay/"
                      "thresholds_20261206), 1.27-1.33x at 64-96, 1.30-1.39x at 112-256", False, DECODE_TILING_SOURCE),
     ("kda", 32, 4): ("1.00-1.04x native from 64 to 256 running requests (one step of 0.95x at 128 whose launches "
-                     "add up to 1.06x; the write-through 0.97-1.00x there)", False, DECODE_TILING_SOURCE),
+                     "add up to 1.06x; the write-through 0.97-1.00x there); with the window reading the history's "
+                     "raw keys, as served since, 1.07 / 1.06 / 1.04x at 64 / 128 / 256 (bench/results/replay/"
+                     "rawkeys_kda_20261207)", False, DECODE_TILING_SOURCE),
     ("gdn", 64, 4): ("1.08-1.19x native at 112-256 running requests (the write-through 1.00x at 112)", False,
                      DECODE_TILING_SOURCE),
     ("gdn", 16, 2): ("0.95 / 1.01 / 1.07 / 1.13x native at 80 / 88 / 96 / 112 running requests (the write-through "
@@ -89,10 +91,13 @@ OUTPUT_ONLY_VERIFY = {
     ("gdn", 16, 4): ("2.16-2.90x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),
     ("kda", 16, 4): ("1.90-2.17x native at 32-56 requests, 2.14-2.40x from 64 to 256 (D = 2 and 4); with the "
                      "window reading the history's raw keys, as served since, D = 4 2.21 / 2.45x at 64 / 256 "
-                     "(bench/results/replay/rawkeys_20261207)", VERIFY_TILES_SOURCE),
+                     "(bench/results/replay/rawkeys_20261207; 2.20 / 2.31 / 2.42x at 64 / 128 / 256 in "
+                     "rawkeys_kda_20261207)", VERIFY_TILES_SOURCE),
     ("gdn", 32, 4): ("1.85-1.92x native at 40 requests, 2.06-2.30x at 48-56 (D = 2 and 4; the write-through "
                      "1.59-1.68x there), 2.33-2.74x from 64 to 256", VERIFY_TILES_SOURCE),
-    ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests", VERIFY_SOURCE),
+    ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests; a D = 2 window reading the history's raw keys, "
+                     "as served since, 1.71 / 2.01 / 2.12x at 64 / 128 / 256 (bench/results/replay/"
+                     "rawkeys_kda_20261207)", VERIFY_SOURCE),
     ("gdn", 64, 4): ("1.82-1.95x native at 96-112 requests (D = 2, the write-through 1.65-1.67x: bench/results/"
                      "replay/verify_bounds_20261207, H100), 2.06-2.16x at 128-256 (D = 4)", KEY_HEAD_SOURCE),
     ("gdn", 16, 2): ("1.44-2.04x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),

@@ -199,11 +199,12 @@ def served_window_key_heads(is_kda: bool, launches: int) -> bool:
 
 def served_window_raw_keys(launches: int, is_kda: bool, history: int, tokens: int) -> bool:
     """Whether a served window launch of ``tokens`` tokens a request over a ``history``-record ring renormalises the
-    history's raw keys: a verify window (more than one token) of a family and history in
-    :data:`SERVED_WINDOW_RAW_KEYS` (a history below 16 as 16), of two launches (the one-launch kernel reads the
-    normalised keys either way)."""
+    history's raw keys: a window whose family, history (below 16 as 16) and tokens rounded up to a power of two (the
+    window kernel's ``TP``: the rows its registers hold) are a row of :data:`SERVED_WINDOW_RAW_KEYS`, of two launches
+    (the one-launch kernel reads the normalised keys either way)."""
     family = "kda" if is_kda else "gdn"
-    return launches == 2 and tokens > 1 and (family, max(history, MEASURED_HISTORIES[0])) in SERVED_WINDOW_RAW_KEYS
+    row = (family, max(history, MEASURED_HISTORIES[0]), 1 << (tokens - 1).bit_length())
+    return launches == 2 and row in SERVED_WINDOW_RAW_KEYS
 
 
 def served_window_warps(history: int, tokens: int) -> int:
@@ -315,19 +316,25 @@ and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in 
 1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
 
 
-SERVED_WINDOW_RAW_KEYS = frozenset({("kda", 16)})
-"""The ``(family, history)`` rows whose verify window launch renormalises the history's raw keys (activation dtype)
-rather than reading the normalised float32 keys the ring also holds (:func:`~.verify.history_keys`): half the bytes
-of the history's keys for 2-byte activations, the window launch's largest read with GDN's scalar gates and half of
-it with KDA's per-channel ones, for one more L2 norm per record and more registers (KDA 218 -> 252, GDN 167 -> 206
-a thread, no spills). Side by side on an H100 (bench/results/replay/rawkeys_20261207, float32 state, D = 4, L = 16,
-normalised / raw keys): KDA's window launch 38.0 / 35.2 µs at 64 requests (round 2.17 / 2.21x native) and
-136.4 / 115.4 µs at 256 (2.35 / 2.45x); GDN's per key head 13.0 / 11.7 µs at 64 (2.61 / 2.63x) but 40.7 / 43.7
-µs at 256 (2.86 / 2.84x): not served for GDN. A bfloat16 state's window is the same launch (it reads no state).
-Served but not timed: D = 2, L = 8, 32 and 128 requests. Not served, not timed: KDA at L = 32 and 64
-(``scripts/kernel_registers.py --window-keys raw`` on a CPU machine, Triton 3.8's ptxas, counts 12 spills for the
-raw-keys window at L = 32, none with the normalised keys) and a plain decode's window (one token): both read the
-normalised keys."""
+SERVED_WINDOW_RAW_KEYS = frozenset({("kda", 16, 2), ("kda", 16, 4), ("kda", 32, 1), ("kda", 32, 2)})
+"""The ``(family, history, window tokens rounded up to a power of two)`` rows whose window launch renormalises the
+history's raw keys (activation dtype) rather than reading the normalised float32 keys the ring also holds
+(:func:`~.verify.history_keys`): half the bytes of the history's keys for 2-byte activations, the window launch's
+largest read with GDN's scalar gates and half of it with KDA's per-channel ones, for one more L2 norm per record and
+more registers. Side by side on an H100 (bench/results/replay/rawkeys_20261207, commit 67d35eb, float32 state, D = 4,
+L = 16, normalised / raw keys): KDA's window launch 38.0 / 35.2 µs at 64 requests (round 2.17 / 2.21x native) and
+136.4 / 115.4 µs at 256 (2.35 / 2.45x); GDN's per key head 13.0 / 11.7 µs at 64 (2.61 / 2.63x) but 40.7 / 43.7 µs at
+256 (2.86 / 2.84x): not served for GDN. KDA at every D and L asked again (bench/results/replay/rawkeys_kda_20261207,
+commit 05ce693, H100, float32, both output-only side by side; window launch µs normalised / raw at
+32 / 64 / 128 / 256 requests): D = 4, L = 16: 21.2 / 21.1, 38.4 / 35.9, 71.8 / 62.9, 137.0 / 113.5 (round 2.34 -> 2.42x
+at 256); D = 2, L = 16: 14.2 / 13.3, 23.5 / 22.4, 37.3 / 34.8, 66.7 / 63.9 (round 1-2 % faster); D = 2, L = 32:
+24.9 / 19.6, 47.1 / 35.8, 81.5 / 62.6, 153.3 / 118.6 (round 1.62 -> 1.71x at 64, 1.98 -> 2.12x at 256; its ptxas
+reports 40 bytes of spills there, yet faster); a decode at L = 32 (one token, two warps): 31.9 / 30.0 µs at 64,
+56.2 / 53.5 at 128, 105.8 / 99.5 at 256 (step 1-3 % faster). Not served: a decode at L = 16 (step 1-4 % slower from 64
+requests), D = 4 at L = 32 (window 76.3 / 80.5 µs at 64, 206.2 / 262.4 at 256, with 10 bytes of spills; on two warps
+63.7 at 64 but 217.2 at 256) and L = 64 (written through at every batch; output-only with raw keys 1.06-1.51x slower
+than that). A bfloat16 state's window is the same launch (it reads no state); windows of 5 or more tokens (8 rows a
+program) were not timed and read the normalised keys."""
 
 
 WRITE_THROUGH_BLOCK_V = 16
