@@ -679,17 +679,19 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 16, 32), ("kda", 32, 32)])
-@pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 4, "served"), (64, 4, "served"),
-                                        (16, 1, "wide"), (16, 4, "wide"), (16, 1, "one"), (64, 4, "one"),
-                                        (16, 4, "wide:one"), (16, 4, "otherkeys"), (64, 4, "otherkeys")])
+@pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 1, "served"), (32, 2, "served"),
+                                        (32, 4, "served"), (64, 4, "served"), (16, 1, "wide"), (16, 4, "wide"),
+                                        (16, 1, "one"), (64, 4, "one"), (16, 4, "wide:one"), (16, 4, "otherkeys"),
+                                        (64, 4, "otherkeys")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
-    1 / 1 / 4 warps (:func:`served_window_warps`). ``wide``: the tiling served from 40-64 requests
-    (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel; ``otherkeys``: the window
-    launch reading the history's keys the other way than served (``window_raw_keys``: raw where the normalised ones
-    are served, :func:`~.served.served_window_raw_keys`, and the other way round)."""
+    1 / 1 (a decode's: 2) / 4 warps (:func:`served_window_warps`), KDA's reading the history's raw keys for 2-4
+    tokens at L = 16 and 1-2 at L = 32 (:data:`~.served.SERVED_WINDOW_RAW_KEYS`). ``wide``: the tiling served from
+    40-64 requests (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel;
+    ``otherkeys``: the window launch reading the history's keys the other way than served (``window_raw_keys``: raw
+    where the normalised ones are served, :func:`~.served.served_window_raw_keys`, and the other way round)."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}
     if tiling == "otherkeys":
