@@ -19,6 +19,7 @@ where it was measured, on the card it names (what was not timed says so).
 from __future__ import annotations
 
 import torch
+import triton
 
 
 def state_bytes(state_dtype: torch.dtype) -> int:
@@ -203,7 +204,7 @@ def served_window_raw_keys(launches: int, is_kda: bool, history: int, tokens: in
     window kernel's ``TP``: the rows its registers hold) are a row of :data:`SERVED_WINDOW_RAW_KEYS`, of two launches
     (the one-launch kernel reads the normalised keys either way)."""
     family = "kda" if is_kda else "gdn"
-    row = (family, max(history, MEASURED_HISTORIES[0]), 1 << (tokens - 1).bit_length())
+    row = (family, max(history, MEASURED_HISTORIES[0]), triton.next_power_of_2(tokens))
     return launches == 2 and row in SERVED_WINDOW_RAW_KEYS
 
 
