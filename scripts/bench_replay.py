@@ -503,7 +503,7 @@ def main(argv=None) -> int:
                         "history's raw keys or its normalised ones (:rawkeys / :normkeys; default: "
                         "ops.replay.served.served_window_raw_keys), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's value "
-                        "columns at a time (:f32; default ops.replay.verify.FOLD_WARP_COLUMNS per warp; a served "
+                        "columns at a time (:f32; default ops.replay.served.served_fold_block_v; a served "
                         "tile's fold at most its own columns), the S0 projections on CUDA "
                         "cores (:fma) or tensor cores (:dot; default: tensor cores for D > 1), and the output "
                         "launch in request order (:inorder) or folding requests first (:foldfirst; default: from "

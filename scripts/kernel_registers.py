@@ -65,7 +65,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
-    (``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
+    (a fused fold's columns a pass as served, :func:`~sglang_ssm_modes.ops.replay.served.served_fold_block_v`;
+    ``block_k`` None: all of K; the S0 projections on tensor cores for a window of more than one token,
     as served, where ``block_v >= 16``; in fold-first order with a fused fold, as served from batch 32 on; both
     with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.served.SERVED_PDL` serves it);
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling; ``raw_keys``: the
@@ -73,10 +74,9 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     :func:`~sglang_ssm_modes.ops.replay.served.served_window_raw_keys`)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_window_key_heads, served_window_raw_keys,
-                                                    served_window_warps)
-    from sglang_ssm_modes.ops.replay.verify import (default_fold_block_v, replay_output_kernel, replay_step_kernel,
-                                                    replay_window_kernel)
+    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_fold_block_v, served_window_key_heads,
+                                                    served_window_raw_keys, served_window_warps)
+    from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
@@ -96,7 +96,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
-    tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=default_fold_block_v(bv, num_warps),
+    fbv = served_fold_block_v(bv, num_warps, draft_tokens, is_kda, history, DTYPES[state_dtype])
+    tile = dict(shared, V=V, BV=bv, BK=min(block_k or K, K), FBV=fbv,
                 NP=max(16, 2 * tp), DOT=draft_tokens > 1 and bv >= 16, FOLD_FIRST=fused_fold, PDL=SERVED_PDL)
     out = {"window": window, "output": _ptxas_resources(replay_output_kernel, pointers, tile, num_warps, num_stages)}
     if one_launch:

@@ -270,8 +270,9 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
 
 
 def test_fold_block_v_reaches_the_output_launch(monkeypatch):
-    """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None: ``FOLD_WARP_COLUMNS``
-    per warp, at most the tile. (The tiling test checks the folds' bits; this one that the option is not dropped.)"""
+    """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None (a GDN verify):
+    ``FOLD_WARP_COLUMNS`` per warp, at most the tile. (The tiling test checks the folds' bits; this one that the
+    option is not dropped.)"""
     seen = []
 
     class Launch:  # records the launch's FBV instead of running it
@@ -596,6 +597,47 @@ def test_kda_windows_served_raw_keys_are_the_measured_rows(monkeypatch):
                            torch.arange(n, dtype=torch.int32, device=DEVICE), launches=2)
         assert seen.pop() is raw, (family, d, L)
 
+
+
+def test_kda_float32_verify_folds_its_tile_in_one_pass(monkeypatch):
+    """A served fused fold advances ``FOLD_WARP_COLUMNS`` value columns a warp a pass, twice that (the wide tile's
+    32 columns at once) for a KDA verify over a float32 checkpoint at L <= 16 — the rows of
+    :data:`~.served.SERVED_ONE_PASS_FOLD` — and never more than the tile; ``replay_verify`` launches what that
+    says (both tilings, decode and verify, both families and state dtypes)."""
+    assert served_module.SERVED_ONE_PASS_FOLD == {("kda", 16, 4)}
+    assert served_module.FOLD_WARP_COLUMNS == 16
+    fold_block_v = served_module.served_fold_block_v
+    for L in (8, 16):
+        assert fold_block_v(32, 1, 2, True, L, torch.float32) == 32
+        assert fold_block_v(32, 1, 4, True, L, torch.float32) == 32
+        assert fold_block_v(16, 1, 4, True, L, torch.float32) == 16  # at most the tile
+        assert fold_block_v(128, 2, 4, True, L, torch.float32) == 64
+    for args in ((32, 1, 1, True, 16, torch.float32), (32, 1, 4, False, 16, torch.float32),
+                 (32, 1, 4, True, 16, torch.bfloat16), (32, 1, 4, True, 32, torch.float32),
+                 (32, 1, 2, True, 64, torch.float32), (128, 2, 4, False, 16, torch.float32)):
+        assert fold_block_v(*args) == min(args[0], 16 * args[1]), args
+    seen = []
+
+    class Launch:  # records the output launch's FBV instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["FBV"])
+
+    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", Launch())
+    monkeypatch.setattr(replay_verify_module, "replay_step_kernel", Launch())
+    for family, d, state_dtype, tiling, fbv in (("kda", 2, torch.float32, WIDE_TILING, 32),
+                                                ("kda", 4, torch.float32, WIDE_TILING, 32),
+                                                ("kda", 4, torch.float32, NARROW_TILING, 16),
+                                                ("kda", 1, torch.float32, WIDE_TILING, 16),
+                                                ("kda", 4, torch.bfloat16, WIDE_TILING, 16),
+                                                ("gdn", 4, torch.float32, WIDE_TILING, 16)):
+        n, hk, hv, kdim, vdim = 2, 1, 2, 16, 64
+        params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=83)
+        ring = ReplayRing.allocate(n, 16, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+        block_v, num_warps, block_k, num_stages = tiling
+        call_replay_verify(params, x, family, n, d, pool.to(DEVICE), state_idx, ring,
+                           torch.arange(n, dtype=torch.int32, device=DEVICE), block_v=block_v, num_warps=num_warps,
+                           block_k=min(block_k or kdim, kdim), num_stages=num_stages)
+        assert seen.pop() == fbv, (family, d, state_dtype, tiling)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,d", [("gdn", 1), ("gdn", 4), ("kda", 1), ("kda", 4)])

@@ -8,7 +8,8 @@ choice: one place for the policy the kernels (:mod:`.verify`, :mod:`.write_throu
 * an output-only launch: one launch or two (:func:`served_launches`), the window launch per key head
   (:func:`served_window_key_heads`), its warps (:func:`served_window_warps`) and keys
   (:func:`served_window_raw_keys`), the output launch's order (:data:`FOLD_FIRST_MIN_REQUESTS`) and tiling
-  (:func:`output_tiling`), no programmatic dependent launch (:data:`SERVED_PDL`);
+  (:func:`output_tiling`), a fused fold's columns a pass (:func:`served_fold_block_v`), no programmatic dependent
+  launch (:data:`SERVED_PDL`);
 * a write-through's tile (:func:`write_through_block_v`, :data:`WRITE_THROUGH_V_MAJOR`,
   :data:`WRITE_THROUGH_VERIFY_PREFETCH`).
 
@@ -302,6 +303,40 @@ def output_tiling(requests: int, tokens: int, is_kda: bool, history: int,
     variants of the output kernel per window length)."""
     wide_from = (WIDE_DECODE_FROM if tokens == 1 else WIDE_VERIFY_FROM)[measured_key(is_kda, history, state_dtype)]
     return WIDE_TILING if wide_from is not None and requests >= wide_from else NARROW_TILING
+
+
+FOLD_WARP_COLUMNS = 16
+"""Value columns per warp a fused fold advances at a time where :data:`SERVED_ONE_PASS_FOLD` does not say otherwise
+(``FBV = min(BV, 16 * num_warps)``): a ``[K, 16]`` float32 tile per warp beside the output path; wider output tiles
+fold in several passes. A fold's bits are the same for every tiling of one warp (every served tile; a review's check
+on an H100, 2026-12-07, its log not kept: any ``fold_block_v`` from 4 to 32 at K = V = 128); a tile of several warps
+may reduce over K across warps and round some elements one unit in the last place differently (the same check: 64
+columns on 4 or 8 warps, 32 on 2 with 4 columns a pass; a ``[16, 16]`` tile on 4 warps,
+bench/results/replay/kloop_20261203, run 1)."""
+
+
+SERVED_ONE_PASS_FOLD = frozenset({("kda", 16, 4)})
+"""The ``(family, history, state bytes)`` rows (:func:`measured_key`) whose verify (more than one token) folds its
+output tile in one pass, up to twice :data:`FOLD_WARP_COLUMNS` a warp: :data:`WIDE_TILING`'s 32 columns at once
+instead of two passes of 16 (the output kernel 237 registers against 128, no spills; the same bits, one warp).
+Side by side on an H100 at d172bfd, L = 16, float32, two runs (bench/results/replay/onepassfold_20261207, round µs
+two passes / one): KDA D = 4 162.3 / 159.1 at 64 requests, 231.2 / 228.0 at 96, 296.7 / 292.3 and 301.1 / 295.6 at
+128, 437.7 / 426.9 at 192, 554.1 / 544.1 and 560.3 / 547.1 at 256 (round 2.42-2.44 -> 2.47-2.49x native); D = 2
+level to 96 (117.6 / 118.0 at 64, 163.3 / 163.8 at 96), then 209.9 / 208.2 and 209.6 / 207.6 at 128, 301.5 / 297.6 at
+192, 395.8 / 389.1 and 391.7 / 384.4 at 256. Not served: GDN (float32 level: 0.98-1.02 of two passes' µs, D = 4 at
+64 1.02 slower), a bfloat16 state (one pass 1.04-1.13x slower, its output kernel 255 registers against 167: GDN D =
+4 at 256 401.0 against 356.0 µs, KDA 458.1 against 430.9), KDA at L = 32 (bench/results/replay/rawkeys_kda_20261207/
+fold, D = 4: slower), four passes of 8 (slower everywhere, up to 1.17x), a decode (not timed)."""
+
+
+def served_fold_block_v(block_v: int, num_warps: int, tokens: int, is_kda: bool, history: int,
+                        state_dtype: torch.dtype) -> int:
+    """The value columns a served fused fold advances at a time in an output tile ``block_v`` wide on ``num_warps``
+    warps, for ``tokens`` tokens a request over a ``history``-record ring and a ``state_dtype`` checkpoint:
+    ``2 * FOLD_WARP_COLUMNS`` a warp for a verify of a :data:`SERVED_ONE_PASS_FOLD` row, else
+    :data:`FOLD_WARP_COLUMNS`; at most the tile."""
+    one_pass = tokens > 1 and measured_key(is_kda, history, state_dtype) in SERVED_ONE_PASS_FOLD
+    return min(block_v, (2 if one_pass else 1) * FOLD_WARP_COLUMNS * num_warps)
 
 
 SERVED_PDL = False

@@ -44,8 +44,8 @@ import triton.language as tl
 from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector, l2normalize, l2normalize_rows,
                                packed_beta, store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
-from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_launches, served_window_key_heads,
-                     served_window_raw_keys, served_window_warps)
+from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_fold_block_v, served_launches,
+                     served_window_key_heads, served_window_raw_keys, served_window_warps)
 
 
 @triton.jit
@@ -378,8 +378,8 @@ def replay_output_kernel(
 
     ``FUSED_FOLD``: a request whose window would overflow (``count + T > L``) first has its history
     replayed into its checkpoint columns, ``FBV`` at a time (:func:`fold_columns`), stored, and read back
-    by the loop (``FBV``: ``replay_verify``'s ``fold_block_v``, :data:`FOLD_WARP_COLUMNS`); it continues with an
-    empty history in the ring's other half. Per token t:
+    by the loop (``FBV``: ``replay_verify``'s ``fold_block_v``, :func:`~.served.served_fold_block_v`); it continues
+    with an empty history in the ring's other half. Per token t:
     ``u_t = beta_t (v_t - S0 . (e^{G_t} k_t) - sum_j c^k_{tj} u_j)``, ``o_t = S0 . (e^{G_t} q_t) +
     sum_{j<=t} c^q_{tj} u_j``; ``u_t`` and raw ``v_t`` go to ring position ``phase * L + count + t``.
     ``FOLD_FIRST``: the programs of request ``order[i]`` come i-th (the window launch's order program).
@@ -641,22 +641,6 @@ def pdl_available(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-FOLD_WARP_COLUMNS = 16
-"""Value columns per warp a fused fold advances at a time by default (``FBV = min(BV, 16 * num_warps)``): a
-``[K, 16]`` float32 tile per warp is what the registers hold beside the output path; wider output tiles fold in
-several passes. A fold's bits are the same for every tiling of one warp (every served tile; a review's check on
-an H100, 2026-12-07, its log not kept: any ``fold_block_v`` from 4 to 32 at K = V = 128); a tile of several warps
-may reduce over K across warps and round some elements one unit in the last place differently (the same check: 64
-columns on 4 or 8 warps, 32 on 2 with 4 columns a pass; a ``[16, 16]`` tile on 4 warps,
-bench/results/replay/kloop_20261203, run 1)."""
-
-
-def default_fold_block_v(block_v: int, num_warps: int) -> int:
-    """The value columns a fused fold of an output tile ``block_v`` wide on ``num_warps`` warps advances at a time when
-    ``replay_verify`` is given no ``fold_block_v``: :data:`FOLD_WARP_COLUMNS` per warp, at most the tile."""
-    return min(block_v, FOLD_WARP_COLUMNS * num_warps)
-
-
 def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, b: torch.Tensor, checkpoints: torch.Tensor, state_indices: torch.Tensor,
                   ring: ReplayRing, record_indices: torch.Tensor, *, is_kda: bool, beta_activated: bool = False,
@@ -695,12 +679,12 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     (:func:`history_keys`; the ring's raw keys in ``k``'s dtype or float32; default
     :func:`~.served.served_window_raw_keys` where the ring holds them so, else the normalised keys).
     ``fold_block_v`` (a power of two from ``num_warps`` to the output tile's columns): the value columns a fused fold
-    advances at a time (default :func:`default_fold_block_v`).
+    advances at a time (default :func:`~.served.served_fold_block_v`).
     Checkpoints and every record but ``u`` are the same bits for every choice of one warp (``num_warps`` 1, as
-    served; several warps: within a unit in the last place, :data:`FOLD_WARP_COLUMNS`); outputs and ``u`` agree to
-    float32 rounding. A padding row is negative in ``state_indices`` and in ``record_indices`` (serving passes one
-    tensor for both): the kernels skip a row negative in either, the cursor functions (:func:`~.ring.advance`,
-    :func:`~.ring.fold_needed`) see record slots only. Returns ``o`` ``[1, T_all, HV, V]``.
+    served; several warps: within a unit in the last place, :data:`~.served.FOLD_WARP_COLUMNS`); outputs and ``u``
+    agree to float32 rounding. A padding row is negative in ``state_indices`` and in ``record_indices`` (serving
+    passes one tensor for both): the kernels skip a row negative in either, the cursor functions
+    (:func:`~.ring.advance`, :func:`~.ring.fold_needed`) see record slots only. Returns ``o`` ``[1, T_all, HV, V]``.
     """
     _, t_all, hk, kdim = k.shape
     hv, vdim = v.shape[2], v.shape[3]
@@ -761,7 +745,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                          "float32, or pass window_raw_keys=False")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
-    fbv = default_fold_block_v(BV, warps) if fold_block_v is None else fold_block_v
+    fbv = (served_fold_block_v(BV, warps, T, is_kda, L, checkpoints.dtype) if fold_block_v is None
+           else fold_block_v)
     if fold_block_v is not None and (fbv < warps or fbv & (fbv - 1) or fbv > BV):
         raise ValueError(f"fold_block_v {fbv} must be a power of two from num_warps ({warps}) to the output tile's "
                          f"{BV} columns")
