@@ -206,9 +206,11 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     for variant in (dict(block_v=16, num_warps=1, **two), dict(block_v=32, num_warps=4, window_warps=1, **two),
                     dict(block_v=8, num_warps=1, dot=False, window_warps=4, **two),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False, **two),
-                    dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, **two),  # 2 fold passes, K steps
+                    dict(block_v=32, num_warps=1, block_k=8, num_stages=3, dot=False, fold_block_v=16,
+                         **two),  # 2 fold passes, K steps
                     dict(block_v=32, num_warps=2, block_k=16, num_stages=3, dot=True, **two),
-                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # as the served wide tiling
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, **two),  # the served wide tiling (KDA:
+                    # one fold pass, served_fold_block_v)
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, fold_block_v=32, **two),  # one fold pass
                     dict(block_v=32, num_warps=1, fold_block_v=8, launches=1),  # four fold passes, one launch
                     dict(block_v=16, num_warps=1, fold_first=True, pdl=False, **two),  # the window's order program

@@ -92,7 +92,9 @@ OUTPUT_ONLY_VERIFY = {
     ("kda", 16, 4): ("1.90-2.17x native at 32-56 requests, 2.14-2.40x from 64 to 256 (D = 2 and 4); with the "
                      "window reading the history's raw keys, as served since, D = 4 2.21 / 2.45x at 64 / 256 "
                      "(bench/results/replay/rawkeys_20261207; 2.20 / 2.31 / 2.42x at 64 / 128 / 256 in "
-                     "rawkeys_kda_20261207)", VERIFY_TILES_SOURCE),
+                     "rawkeys_kda_20261207); with the fold's 32 columns in one pass, as served since, D = 4 "
+                     "2.21 / 2.34 / 2.49x and D = 2 2.12 / 2.33 / 2.45x at 64 / 128 / 256 (onepassfold_20261207)",
+                     VERIFY_TILES_SOURCE),
     ("gdn", 32, 4): ("1.85-1.92x native at 40 requests, 2.06-2.30x at 48-56 (D = 2 and 4; the write-through "
                      "1.59-1.68x there), 2.33-2.74x from 64 to 256", VERIFY_TILES_SOURCE),
     ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests; a D = 2 window reading the history's raw keys, "
