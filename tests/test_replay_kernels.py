@@ -271,18 +271,25 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                       state_idx.to(DEVICE), ring, rec_idx, is_kda=family == "kda", window_warps=3)
 
 
+def record_launches(monkeypatch, constant, *kernels):
+    """Replace the :mod:`~sglang_ssm_modes.ops.replay.verify` kernels named ``kernels`` by launches that record the
+    compile-time ``constant`` each is given instead of running; returns the list they append to."""
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs[constant])
+
+    for name in kernels:
+        monkeypatch.setattr(replay_verify_module, name, Launch())
+    return seen
+
+
 def test_fold_block_v_reaches_the_output_launch(monkeypatch):
     """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None (a GDN verify):
     ``FOLD_WARP_COLUMNS`` per warp, at most the tile. (The tiling test checks the folds' bits; this one that the
     option is not dropped.)"""
-    seen = []
-
-    class Launch:  # records the launch's FBV instead of running it
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["FBV"])
-
-    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", Launch())
-    monkeypatch.setattr(replay_verify_module, "replay_step_kernel", Launch())
+    seen = record_launches(monkeypatch, "FBV", "replay_output_kernel", "replay_step_kernel")
     n, d, kdim, vdim = 2, 2, 16, 64
     params, x, pool, state_idx = make_case("gdn", n, d, 1, 2, kdim, vdim, torch.float32, seed=54)
     inp = to_device(flat_inputs(x, "gdn", n, d), DEVICE)
@@ -581,13 +588,7 @@ def test_kda_windows_served_raw_keys_are_the_measured_rows(monkeypatch):
               for kda in (False, True) for launches in (1, 2) for L in (8, 16, 32, 64) for T in (1, 2, 3, 4, 5, 8)}
     assert {key for key, raw in chosen.items() if raw} == (
         {(True, 2, L, T) for L in (8, 16) for T in (2, 3, 4)} | {(True, 2, 32, 1), (True, 2, 32, 2)})
-    seen = []
-
-    class Launch:  # records the window launch's RAW_KEYS instead of running it
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["RAW_KEYS"])
-
-    monkeypatch.setattr(replay_verify_module, "replay_window_kernel", Launch())
+    seen = record_launches(monkeypatch, "RAW_KEYS", "replay_window_kernel")
     monkeypatch.setattr(replay_verify_module, "replay_output_kernel", type("Skip", (), {
         "__getitem__": lambda self, grid: lambda *args, **kwargs: None})())
     for family, d, L, raw in (("kda", 2, 16, True), ("kda", 1, 16, False), ("kda", 4, 32, False),
@@ -618,14 +619,7 @@ def test_kda_float32_verify_folds_its_tile_in_one_pass(monkeypatch):
                  (32, 1, 4, True, 16, torch.bfloat16), (32, 1, 4, True, 32, torch.float32),
                  (32, 1, 2, True, 64, torch.float32), (128, 2, 4, False, 16, torch.float32)):
         assert fold_block_v(*args) == min(args[0], 16 * args[1]), args
-    seen = []
-
-    class Launch:  # records the output launch's FBV instead of running it
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(kwargs["FBV"])
-
-    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", Launch())
-    monkeypatch.setattr(replay_verify_module, "replay_step_kernel", Launch())
+    seen = record_launches(monkeypatch, "FBV", "replay_output_kernel", "replay_step_kernel")
     for family, d, state_dtype, tiling, fbv in (("kda", 2, torch.float32, WIDE_TILING, 32),
                                                 ("kda", 4, torch.float32, WIDE_TILING, 32),
                                                 ("kda", 4, torch.float32, NARROW_TILING, 16),
@@ -733,7 +727,8 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, t
     within 1e-5 (float32) or bf16 rounding (bfloat16) of it; ``served`` at L 16 / 32 / 64: window programs of
     1 / 1 (a decode's: 2) / 4 warps (:func:`served_window_warps`), KDA's reading the history's raw keys for 2-4
     tokens at L = 16 and 1-2 at L = 32 (:data:`~.served.SERVED_WINDOW_RAW_KEYS`). ``wide``: the tiling served from
-    40-64 requests (two K steps, two fold passes, 3 stages) on these 9; ``one``: the one-launch kernel;
+    40-64 requests (two K steps, two fold passes — KDA's float32 state one, :func:`~.served.served_fold_block_v` —
+    3 stages) on these 9; ``one``: the one-launch kernel;
     ``otherkeys``: the window launch reading the history's keys the other way than served (``window_raw_keys``: raw
     where the normalised ones are served, :func:`~.served.served_window_raw_keys`, and the other way round)."""
     n, kdim, vdim = 9, 128, 128
