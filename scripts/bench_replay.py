@@ -91,7 +91,8 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     from sglang_ssm_modes.ops.replay import (ReplayRing, advance, fold_into_checkpoints, fold_needed, replay_decode,
                                              replay_verify, replay_write_through, replay_write_through_verify)
     from sglang_ssm_modes.ops.replay.served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, WRITE_THROUGH_VERIFY_PREFETCH,
-                                                    output_tiling, served_launches, served_window_raw_keys,
+                                                    output_tiling, served_launches, served_window_history_rows,
+                                                    served_window_raw_keys,
                                                     serves_write_through, serves_write_through_verify,
                                                     write_through_block_v)
     from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
@@ -212,8 +213,10 @@ def bench_case(family, dtype_name, batch, d, history, copy_bw, variants=(("serve
     def launch_label(variant):  # the kernels a verify call runs
         if launches_of(variant) == 1:
             return "step"
+        rows = variant.get("window_history_rows",
+                           served_window_history_rows(launches_of(variant), is_kda, history, d))
         return ("window+output" + (" pdl" if variant.get("pdl", SERVED_PDL) else "")
-                + (" raw keys" if reads_raw_keys(variant) else ""))
+                + (" raw keys" if reads_raw_keys(variant) else "") + (f" history {rows} a step" if rows else ""))
 
     mean_hist = (history - d) / 2  # spread cursors: 0 .. L - D records
     # the checkpoint and the history's hot words read, the window's records written, and a fold's share: the
@@ -359,6 +362,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["block_k"] = int(opt[1:])
             elif opt[:1] == "s" and opt[1:] in ("1", "2", "3", "4"):
                 kw["num_stages"] = int(opt[1:])
+            elif opt[:1] == "h" and opt[1:] in ("0", "1", "2", "4", "8", "16"):  # two launches: the window launch's
+                kw["window_history_rows"] = int(opt[1:])
+                kw.setdefault("launches", 2)
             elif opt[:1] == "f" and opt[1:] in ("4", "8", "16", "32", "64"):  # a served tile: capped per case
                 kw["fold_block_v"] = int(opt[1:])
             elif opt in ("keyhead", "valuehead"):  # two launches: the window launch's option
@@ -377,7 +383,8 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
                 kw["prefetch"] = opt == "prefetch"
             else:
                 parser.error(f"--variants {value}: options are :wN (N in 1, 2, 4, 8), :kN (block_k: 16, 32, 64, 128), "
-                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns at a time: 4-64), :keyhead / "
+                             ":sN (num_stages: 1-4), :fN (a fused fold's value columns at a time: 4-64), :hN (the "
+                             "window program's history records a step: 0 whole, 1-16; two launches), :keyhead / "
                              ":valuehead (a window program per key head, GDN's served choice, or per value head; two "
                              "launches), :rawkeys / :normkeys (the window "
                              "launch renormalising the history's raw keys or reading the normalised ones; two "
@@ -392,6 +399,9 @@ def parse_variants(parser, values: list[str]) -> list[tuple[str, dict]]:
         if ("window_key_heads" in kw or "window_raw_keys" in kw) and kw["launches"] == 1:
             parser.error(f"--variants {value}: :keyhead / :valuehead / :rawkeys / :normkeys tile the window launch of "
                          "two; drop :one")
+        if kw.get("window_history_rows") and kw["launches"] == 1:
+            parser.error(f"--variants {value}: :hN reads the history a block at a time in the window launch of two; "
+                         "drop :one")
         if kw.get("write_through"):
             others = sorted(set(kw) - {"write_through", *WRITE_THROUGH_TILE})
             if others:
@@ -492,7 +502,8 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--families", nargs="+", default=["gdn", "kda"], choices=list(FAMILIES))
     p.add_argument("--variants", nargs="+", default=["served"],
-                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:keyhead|:valuehead][:rawkeys|:normkeys][:fma|:dot]"
+                   metavar="served|BVxWARPS[:wN][:kN][:sN][:fN][:hN][:keyhead|:valuehead][:rawkeys|:normkeys]"
+                           "[:fma|:dot]"
                            "[:inorder|:foldfirst][:one|:two][:pdl|:nopdl][:through|:nothrough]"
                            "[:stepcursor|:layercursor]",
                    help="replay launch variants to time side by side: the output launch's tiling as served "
@@ -501,7 +512,9 @@ def main(argv=None) -> int:
                         "num_warps), optionally the window launch's warps (:w2) and (GDN) one window program per "
                         "key head or per value head (:keyhead / :valuehead; served: per key head) and reading the "
                         "history's raw keys or its normalised ones (:rawkeys / :normkeys; default: "
-                        "ops.replay.served.served_window_raw_keys), the checkpoint rows per step of "
+                        "ops.replay.served.served_window_raw_keys), a value-head window program's history "
+                        "records a step (:h4; :h0 the whole history at once; default "
+                        "ops.replay.served.served_window_history_rows), the checkpoint rows per step of "
                         "the output launch's K loop (:k64) and its pipeline depth (:s3), a fused fold's value "
                         "columns at a time (:f32; default ops.replay.served.served_fold_block_v; a served "
                         "tile's fold at most its own columns), the S0 projections on CUDA "
@@ -542,6 +555,10 @@ def main(argv=None) -> int:
     if "kda" in args.families and any(kw.get("window_key_heads") for _, kw in variants):
         p.error("--variants ...:keyhead: one window program per key head is GDN's (KDA's gates are per channel "
                 "and value head); pass --families gdn")
+    if "gdn" in args.families and any(kw.get("window_history_rows") and kw.get("window_key_heads", True)
+                                      for _, kw in variants):
+        p.error("--variants ...:hN: a window program per value head reads the history a block at a time; GDN's "
+                "served window runs per key head: add :valuehead (or pass --families kda)")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     from tqdm import tqdm

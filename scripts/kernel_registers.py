@@ -61,7 +61,8 @@ def _ptxas_resources(kernel, pointers: dict, consts: dict, num_warps: int, num_s
 
 def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_fold: bool, tiling: tuple,
                             draft_tokens: int = 4, one_launch: bool = False,
-                            raw_keys: bool | None = None) -> dict[str, tuple[int, int]]:
+                            raw_keys: bool | None = None,
+                            history_rows: int | None = None) -> dict[str, tuple[int, int]]:
     """``{kernel: (registers per thread, spill-store bytes)}`` of the replay verify's two launches for one
     variant (the served constants: bf16 activations, ROUND_BETA for GDN as in decode): the window kernel
     (its served warps) and the output kernel at ``tiling`` = ``(block_v, num_warps, block_k, num_stages)``
@@ -71,15 +72,20 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
     with programmatic dependent launch where :data:`~sglang_ssm_modes.ops.replay.served.SERVED_PDL` serves it);
     with ``one_launch`` also the one-launch kernel (``replay_step_kernel``) at the same tiling; ``raw_keys``: the
     window kernel renormalising the history's raw keys (default: the served
-    :func:`~sglang_ssm_modes.ops.replay.served.served_window_raw_keys`)."""
+    :func:`~sglang_ssm_modes.ops.replay.served.served_window_raw_keys`); ``history_rows``: the window kernel reading
+    the history this many records a step, on its served warps (default: the served
+    :func:`~sglang_ssm_modes.ops.replay.served.served_window_history_rows`)."""
     import triton
 
-    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_fold_block_v, served_window_key_heads,
-                                                    served_window_raw_keys, served_window_warps)
+    from sglang_ssm_modes.ops.replay.served import (SERVED_PDL, served_fold_block_v, served_window_history_rows,
+                                                    served_window_key_heads, served_window_raw_keys,
+                                                    served_window_warps)
     from sglang_ssm_modes.ops.replay.verify import replay_output_kernel, replay_step_kernel, replay_window_kernel
 
     is_kda = family == "kda"
     tp = triton.next_power_of_2(draft_tokens)
+    if history_rows is None:
+        history_rows = served_window_history_rows(2, is_kda, history, draft_tokens)
     heads = FAMILIES[family]
     shared = dict(H=heads["hk"], HV=heads["hv"], K=K, L=history, TP=tp,
                   W=2 * K + 2 * history + 2 * tp + 1, IS_KDA=is_kda, FUSED_FOLD=fused_fold)
@@ -91,8 +97,8 @@ def verify_kernel_resources(family: str, state_dtype: str, history: int, fused_f
         dict(shared, BETA_ACTIVATED=False, ROUND_BETA=not is_kda, FOLD_FIRST=fused_fold,
              KEY_HEADS=served_window_key_heads(is_kda, 2), GP=triton.next_power_of_2(heads["hv"] // heads["hk"]),
              PDL=SERVED_PDL, RAW_KEYS=(served_window_raw_keys(2, is_kda, history, draft_tokens) if raw_keys is None
-                                       else raw_keys)),
-        served_window_warps(history, draft_tokens))
+                                       else raw_keys), HR=history_rows),
+        served_window_warps(history, draft_tokens, history_rows))
     block_v, num_warps, block_k, num_stages = tiling
     bv = min(block_v, V)
     pointers = dict(ring, v="bf16", o="bf16", h0_source=STATE[state_dtype], order="i32")
@@ -194,6 +200,10 @@ def main(argv=None) -> int:
     p.add_argument("--window-keys", choices=["served", "raw", "normalised"], default="served",
                    help="the window kernel renormalising the history's raw keys (ops.replay.verify.history_keys) or "
                         "reading the normalised ones (default: ops.replay.served.served_window_raw_keys)")
+    p.add_argument("--window-history-rows", type=int, choices=[0, 1, 2, 4, 8, 16],
+                   help="the window kernel reading the history this many records a step after the window's tokens "
+                        "(replay_verify's window_history_rows) or holding it whole (0); default: "
+                        "ops.replay.served.served_window_history_rows, on its served warps")
     p.add_argument("--verify-window", nargs="*", metavar="BVxWARPS",
                    help="instead: compact's verify (ops.verify_window) at these tiles (none given: native's 32x1 and "
                         "ops.compact.FAST_VERIFY_TILE), chain and tree")
@@ -226,7 +236,8 @@ def main(argv=None) -> int:
     for fam, dt, L, fold, (name, tiling) in itertools.product(args.families, args.state_dtypes, args.histories,
                                                               args.fold, tilings):
         res = verify_kernel_resources(fam, dt, L, fold == "fused", tiling, args.draft_tokens, args.one_launch,
-                                      {"served": None, "raw": True, "normalised": False}[args.window_keys])
+                                      {"served": None, "raw": True, "normalised": False}[args.window_keys],
+                                      args.window_history_rows)
         if args.write_through:
             res["write-through"] = write_through_resources(fam, dt, L, args.draft_tokens > 1, args.prefetch)
         print(f"| {fam} | {dt} | {L} | {fold} | {name} | " + " | ".join(f"{r} / {s}" for r, s in res.values()) + " |",

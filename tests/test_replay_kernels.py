@@ -193,7 +193,8 @@ def _normalise_keys(ring):
 @pytest.mark.parametrize("family,hk,hv", [("gdn", 2, 4), ("kda", 2, 2)])
 def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     """``block_v`` / ``num_warps`` / ``block_k`` / ``num_stages`` / ``window_warps`` / ``dot`` / ``launches`` /
-    ``window_key_heads`` / ``window_raw_keys`` / ``fold_block_v`` (what the benchmark sweeps) tile the launches;
+    ``window_key_heads`` / ``window_raw_keys`` / ``fold_block_v`` / ``window_history_rows`` (what the benchmark
+    sweeps) tile the launches;
     checkpoints (a fused fold included) and every ring record but ``u`` are the same bits for every variant (here,
     where the interpreter has no warps; on a GPU for every tiling of one warp, ``FOLD_WARP_COLUMNS``). Outputs and
     ``u`` agree to float32 rounding: their reductions over K follow the launch layout (tensor-core or CUDA-core
@@ -203,6 +204,7 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
     rec_idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
     results = []
     two = dict(launches=2)
+    by_value_head = dict(launches=2, window_key_heads=False)
     for variant in (dict(block_v=16, num_warps=1, **two), dict(block_v=32, num_warps=4, window_warps=1, **two),
                     dict(block_v=8, num_warps=1, dot=False, window_warps=4, **two),
                     dict(block_v=16, num_warps=2, window_warps=2, dot=False, **two),
@@ -223,6 +225,11 @@ def test_launch_tiling_changes_no_result(family, hk, hv, kdim, vdim):
                     dict(block_v=16, num_warps=1, window_raw_keys=False, **two),  # ... or the normalised ones read
                     dict(block_v=32, num_warps=1, block_k=16, num_stages=3, window_raw_keys=True, fold_first=True,
                          **two),
+                    dict(block_v=16, num_warps=1, window_history_rows=2, **by_value_head),  # the history read 2
+                    dict(block_v=32, num_warps=1, block_k=16, num_stages=3, window_history_rows=1,  # records a step
+                         window_raw_keys=True, fold_first=True, **by_value_head),
+                    dict(block_v=16, num_warps=1, window_history_rows=4, window_raw_keys=False, **by_value_head),
+                    dict(block_v=16, num_warps=1, window_history_rows=0, **by_value_head),  # ... or held whole
                     *((dict(block_v=16, num_warps=1, window_key_heads=True, **two),  # GDN: a window program per key
                        dict(block_v=16, num_warps=1, window_key_heads=True, fold_first=True, **two),  # head
                        dict(block_v=16, num_warps=1, window_key_heads=True, window_raw_keys=True, **two))
@@ -602,6 +609,43 @@ def test_kda_windows_served_raw_keys_are_the_measured_rows(monkeypatch):
 
 
 
+def test_kda_windows_read_the_history_a_block_at_a_time_where_measured(monkeypatch):
+    """A served KDA window program reads the history a block of records a step after the window's tokens at the rows
+    of :data:`~.served.SERVED_WINDOW_HISTORY_ROWS` — 4 for a decode at L <= 16, 2 for 3-4 tokens at L <= 16, 4 for
+    3-4 tokens at L = 32 — on one warp at every L, and holds the whole history elsewhere (GDN, one launch, D = 2,
+    L = 64, a decode at L = 32, 5 tokens or more) on :func:`~.served.served_window_warps`' warps;
+    ``replay_verify`` launches what that says, and refuses a block read where no program per value head runs."""
+    assert served_module.SERVED_WINDOW_HISTORY_ROWS == {("kda", 16, 1): 4, ("kda", 16, 4): 2, ("kda", 32, 4): 4}
+    rows = {(kda, launches, L, T): served_module.served_window_history_rows(launches, kda, L, T)
+            for kda in (False, True) for launches in (1, 2) for L in (8, 16, 32, 64) for T in (1, 2, 3, 4, 5, 8)}
+    expected = {**{(True, 2, L, 1): 4 for L in (8, 16)}, **{(True, 2, L, T): 2 for L in (8, 16) for T in (3, 4)},
+                **{(True, 2, 32, T): 4 for T in (3, 4)}}
+    assert {key: hr for key, hr in rows.items() if hr} == expected
+    assert [served_module.served_window_warps(L, 4, 4) for L in (16, 32, 64)] == [1, 1, 1]
+    assert [served_module.served_window_warps(L, 1) for L in (16, 32, 64)] == [1, 2, 4]  # the whole history
+    skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *args, **kwargs: None})()
+    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", skip)
+    for family, d, L, hr, warps in (("kda", 1, 16, 4, 1), ("kda", 4, 16, 2, 1), ("kda", 2, 16, 0, 1),
+                                    ("kda", 4, 64, 0, 4), ("kda", 1, 64, 0, 4), ("kda", 3, 32, 4, 1),
+                                    ("gdn", 4, 64, 0, 4)):
+        n, hk, hv, kdim, vdim = 2, 1, 2, 16, 16
+        params, x, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, torch.float32, seed=84)
+        ring = ReplayRing.allocate(n, L, hk, hv, kdim, vdim, family == "kda", torch.bfloat16, DEVICE)
+        for constant, want in (("HR", hr), ("num_warps", warps)):
+            seen = record_launches(monkeypatch, constant, "replay_window_kernel")
+            call_replay_verify(params, x, family, n, d, pool.to(DEVICE), state_idx, ring,
+                               torch.arange(n, dtype=torch.int32, device=DEVICE), launches=2)
+            assert seen == [want], (family, d, L, constant)
+    for bad in (dict(launches=1), dict(launches=2, window_key_heads=True)):
+        with pytest.raises(ValueError, match="window_history_rows"):
+            call_replay_verify(params, x, "gdn", n, d, pool.to(DEVICE), state_idx, ring,
+                               torch.arange(n, dtype=torch.int32, device=DEVICE), window_history_rows=2, **bad)
+    with pytest.raises(ValueError, match="window_history_rows 3"):
+        call_replay_verify(params, x, "gdn", n, d, pool.to(DEVICE), state_idx, ring,
+                           torch.arange(n, dtype=torch.int32, device=DEVICE), window_history_rows=3, launches=2,
+                           window_key_heads=False)
+
+
 def test_kda_float32_verify_folds_its_tile_in_one_pass(monkeypatch):
     """A served fused fold advances ``FOLD_WARP_COLUMNS`` value columns a warp a pass, twice that (the wide tile's
     32 columns at once) for a KDA verify over a float32 checkpoint at L <= 16 — the rows of
@@ -720,7 +764,7 @@ def test_window_larger_than_history_is_refused():
 @pytest.mark.parametrize("L,d,tiling", [(16, 1, "served"), (16, 4, "served"), (32, 1, "served"), (32, 2, "served"),
                                         (32, 4, "served"), (64, 4, "served"), (16, 1, "wide"), (16, 4, "wide"),
                                         (16, 1, "one"), (64, 4, "one"), (16, 4, "wide:one"), (16, 4, "otherkeys"),
-                                        (64, 4, "otherkeys")])
+                                        (64, 4, "otherkeys"), (16, 4, "wholehistory"), (64, 4, "blocks")])
 def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, tiling):
     """Qwen3-Next / Kimi-Linear head shapes: 3·L/d rounds (several folds, fused into the verify launch)
     of verify + accept; outputs within bf16 output rounding of the float64 truth, materialised state
@@ -730,12 +774,18 @@ def test_replay_real_shapes_against_float64(family, hk, hv, state_dtype, L, d, t
     40-64 requests (two K steps, two fold passes — KDA's float32 state one, :func:`~.served.served_fold_block_v` —
     3 stages) on these 9; ``one``: the one-launch kernel;
     ``otherkeys``: the window launch reading the history's keys the other way than served (``window_raw_keys``: raw
-    where the normalised ones are served, :func:`~.served.served_window_raw_keys`, and the other way round)."""
+    where the normalised ones are served, :func:`~.served.served_window_raw_keys`, and the other way round);
+    ``wholehistory`` / ``blocks``: the window program holding the whole history (KDA's served window at D = 4
+    reads it 2 records a step at L = 16, :data:`~.served.SERVED_WINDOW_HISTORY_ROWS`) / reading it 4 records a step
+    on one warp (at L = 64: not served there)."""
     n, kdim, vdim = 9, 128, 128
     tiling_options = dict(launches=1) if tiling.endswith("one") else {}
     if tiling == "otherkeys":
         tiling_options.update(launches=2, window_raw_keys=not served_module.served_window_raw_keys(2, family == "kda",
                                                                                                    L, d))
+    if tiling in ("wholehistory", "blocks"):
+        tiling_options.update(launches=2, window_history_rows=4 if tiling == "blocks" else 0,
+                              window_key_heads=False)
     if tiling.startswith("wide"):
         tiling_options.update(zip(("block_v", "num_warps", "block_k", "num_stages"), WIDE_TILING))
     params, _, pool, state_idx = make_case(family, n, d, hk, hv, kdim, vdim, state_dtype, seed=46 + L + d)

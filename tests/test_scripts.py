@@ -146,6 +146,12 @@ def test_bench_replay_variants_name_the_launch_options():
     for bad in ("served:f12", "served:through:f8"):  # not a power of two offered; a write-through folds no window
         with pytest.raises(SystemExit):
             bench_replay.parse_variants(p, [bad])
+    assert bench_replay.parse_variants(p, ["served:h4", "32x1:h0:w1"]) == [
+        ("served:h4", dict(window_history_rows=4, launches=2)),
+        ("32x1:h0:w1", dict(block_v=32, num_warps=1, window_history_rows=0, launches=2, window_warps=1))]
+    for bad in ("served:h4:one", "served:h3", "served:h32"):  # no window launch; not offered
+        with pytest.raises(SystemExit):
+            bench_replay.parse_variants(p, [bad])
     assert bench_replay.parse_variants(p, ["served:stepcursor", "served:layercursor"]) == [
         ("served:stepcursor", dict(cursor="step")), ("served:layercursor", dict(cursor="layer"))]
     with pytest.raises(SystemExit):  # a write-through leaves no cursor to settle
@@ -161,6 +167,8 @@ def test_bench_replay_refuses_a_key_head_window_it_cannot_run():
         bench_replay.parse_variants(p, ["served:valuehead:one"])
     proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused", "--variants", "served:keyhead")
     assert proc.returncode == 2 and "pass --families gdn" in proc.stderr
+    proc = _run(sys.executable, "scripts/bench_replay.py", "--out", "/tmp/unused", "--variants", "served:h4")
+    assert proc.returncode == 2 and "add :valuehead" in proc.stderr  # GDN's served window runs per key head
 
 
 def test_bench_replay_refuses_to_run_without_a_gpu():

@@ -34,8 +34,9 @@ path in both tilings and the write-through side by side with native in each of t
 
 OUTPUT_ONLY_DECODE = {
     ("gdn", 16, 4): ("1.06x native at 32 running requests, 1.36-1.38x from 64 to 256", False, KEY_HEAD_SOURCE),
-    ("kda", 16, 4): ("1.03 / 1.05 / 1.08x native at 40 / 48 / 56 running requests, 1.22-1.25x from 64 to 256",
-                     False, THRESHOLD_SOURCE),
+    ("kda", 16, 4): ("1.03 / 1.05 / 1.08x native at 40 / 48 / 56 running requests, 1.22-1.25x from 64 to 256; with "
+                     "the window reading the history 4 records a step, as served since, 1.25 / 1.29 / 1.28x at 64 / "
+                     "128 / 256 (bench/results/replay/window_20261207)", False, THRESHOLD_SOURCE),
     ("gdn", 32, 4): ("1.12 / 1.24 / 1.31x native at 40 / 48 / 56 running requests (bench/results/replay/"
                      "thresholds_20261206), 1.27-1.33x at 64-96, 1.30-1.39x at 112-256", False, DECODE_TILING_SOURCE),
     ("kda", 32, 4): ("1.00-1.04x native from 64 to 256 running requests (one step of 0.95x at 128 whose launches "
@@ -93,13 +94,15 @@ OUTPUT_ONLY_VERIFY = {
                      "window reading the history's raw keys, as served since, D = 4 2.21 / 2.45x at 64 / 256 "
                      "(bench/results/replay/rawkeys_20261207; 2.20 / 2.31 / 2.42x at 64 / 128 / 256 in "
                      "rawkeys_kda_20261207); with the fold's 32 columns in one pass, as served since, D = 4 "
-                     "2.21 / 2.34 / 2.49x and D = 2 2.12 / 2.33 / 2.45x at 64 / 128 / 256 (onepassfold_20261207)",
-                     VERIFY_TILES_SOURCE),
+                     "2.21 / 2.34 / 2.49x and D = 2 2.12 / 2.33 / 2.45x at 64 / 128 / 256 (onepassfold_20261207); "
+                     "with D = 4's window reading the history 2 records a step, as served since, 2.32 / 2.48 / 2.63x "
+                     "(window_20261207)", VERIFY_TILES_SOURCE),
     ("gdn", 32, 4): ("1.85-1.92x native at 40 requests, 2.06-2.30x at 48-56 (D = 2 and 4; the write-through "
                      "1.59-1.68x there), 2.33-2.74x from 64 to 256", VERIFY_TILES_SOURCE),
     ("kda", 32, 4): ("1.61-2.16x native from 64 to 256 requests; a D = 2 window reading the history's raw keys, "
                      "as served since, 1.71 / 2.01 / 2.12x at 64 / 128 / 256 (bench/results/replay/"
-                     "rawkeys_kda_20261207)", VERIFY_SOURCE),
+                     "rawkeys_kda_20261207); a D = 4 window reading the history 4 records a step, as served since, "
+                     "2.27 / 2.39x at 128 / 256 (window_20261207)", VERIFY_SOURCE),
     ("gdn", 64, 4): ("1.82-1.95x native at 96-112 requests (D = 2, the write-through 1.65-1.67x: bench/results/"
                      "replay/verify_bounds_20261207, H100), 2.06-2.16x at 128-256 (D = 4)", KEY_HEAD_SOURCE),
     ("gdn", 16, 2): ("1.44-2.04x native from 32 to 256 requests (D = 4)", KEY_HEAD_SOURCE),

@@ -136,7 +136,12 @@ held at D = 4: write-through 1.61-1.67x from 40 to 64, output-only 1.55-1.67x th
 at 96 / 112 / 128 against 1.68-1.71x. Same directory (commit 07da41b): bfloat16 KDA L = 32 from 96 (was 32): output-only
 0.89-1.02x native at 32-48 requests (below native at 40, and at 32 / 48 for D = 4), the write-through 1.02-1.09x; level
 at 64 / 80 (1.02-1.06 / 1.03-1.07x), output-only 1.11-1.12 / 1.05-1.08x at 96, 1.15-1.28 / 1.04-1.08x at 128-256. A
-history of L < 16 takes L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row."""
+history of L < 16 takes L = 16's bound; a state of 2-byte elements (bfloat16, float16) the bfloat16 row.
+KDA float32 L = 64 with a window program reading the history 4 records a step on one warp
+(``replay_verify(window_history_rows=4, window_warps=1)``; bench/results/replay/window_20261207, H100, D = 4, side by
+side in one run, write-through / output-only): 1.61 / 1.53x at 64 requests, 1.66 / 1.94x at 128, 1.61 / 1.97x at
+256. Not moved yet: the bound holds for D = 2 as well, whose output-only verify at L = 64 was not timed that way
+(holding the whole history it was 1.08-1.43x against 1.61-1.68x, above)."""
 
 
 def write_through_verify_below(is_kda: bool, history: int, state_dtype: torch.dtype) -> int | None:
@@ -209,17 +214,31 @@ def served_window_raw_keys(launches: int, is_kda: bool, history: int, tokens: in
     return launches == 2 and row in SERVED_WINDOW_RAW_KEYS
 
 
-def served_window_warps(history: int, tokens: int) -> int:
+def served_window_history_rows(launches: int, is_kda: bool, history: int, tokens: int) -> int:
+    """History records a served window program of a window of ``tokens`` tokens a request over a ``history``-record
+    ring reads a step (0: the whole history held at once): the :data:`SERVED_WINDOW_HISTORY_ROWS` row of the family,
+    history (below 16 as 16) and tokens rounded up to a power of two, for a window launch per value head (two
+    launches; GDN's per key head holds the whole history)."""
+    family = "kda" if is_kda else "gdn"
+    row = (family, max(history, MEASURED_HISTORIES[0]), triton.next_power_of_2(tokens))
+    key_heads = served_window_key_heads(is_kda, launches)
+    return SERVED_WINDOW_HISTORY_ROWS.get(row, 0) if launches == 2 and not key_heads else 0
+
+
+def served_window_warps(history: int, tokens: int, history_rows: int = 0) -> int:
     """Warps of a served window program (one request and value head: the history's ``[L, K]`` key block and
     the window's ``[TP, K]`` blocks) for a history of ``history`` records and ``tokens`` tokens per request:
     1 up to L = 16, and at L = 32 for a window of more than one token (every reduction over K inside one
     warp: no cross-warp round trips in the token chain); 2 at L = 32 for one token; 4 at L = 64 (fewer warps
-    hold the ``[64, K]`` block in too few threads). On the H200 (bench/results/replay/windowwarps_20261204,
-    float32, all three side by side) 1 warp against 4 at L = 16, batch 128: GDN decode 118.0 against 122.1
-    µs, D = 4 251.0 against 279.4; KDA decode 136.6 against 143.0, D = 4 290.6 against 306.6; at L = 32,
-    D = 4, batch 128: GDN 283.1 against 306.6, KDA 313.2 against 345.5; at L = 64 1 warp was up to 1.4x
-    slower (GDN D = 4 batch 128: 497.4 against 365.5)."""
-    if history <= 16:
+    hold the ``[64, K]`` block in too few threads). 1 at every L for a program reading the history
+    ``history_rows > 0`` records a step (:func:`served_window_history_rows`: no ``[L, K]`` block to hold; KDA
+    float32 at L = 64, bench/results/replay/window_20261207, H100, 4 records a step, window launch µs on 4 warps /
+    1 at 256 requests: 404.4 / 145.3 for a decode, 592.5 / 214.9 for D = 4). On the H200
+    (bench/results/replay/windowwarps_20261204, float32, all three side by side) 1 warp against 4 at L = 16,
+    batch 128: GDN decode 118.0 against 122.1 µs, D = 4 251.0 against 279.4; KDA decode 136.6 against 143.0, D = 4
+    290.6 against 306.6; at L = 32, D = 4, batch 128: GDN 283.1 against 306.6, KDA 313.2 against 345.5; at L = 64
+    the whole block on 1 warp was up to 1.4x slower (GDN D = 4 batch 128: 497.4 against 365.5)."""
+    if history <= 16 or history_rows > 0:
         return 1
     if history <= 32:
         return 1 if tokens > 1 else 2
@@ -350,6 +369,23 @@ again per (L, D) on an H100 (bench/results/replay/pdl_20261206, commit 3ce6289, 
 L = 16 0.977-0.999 of served's µs for decode (under 1 % from 128 requests) and 0.989-1.005 for D = 4; at L = 32
 and 64 level or slower — GDN decode at L = 32 and 64 requests 1.09x (twice in two runs), KDA D = 4 at L = 32
 1.11 / 1.05 / 1.01x at 64 / 128 / 256: not worth a second compiled variant per launch."""
+
+
+SERVED_WINDOW_HISTORY_ROWS = {("kda", 16, 1): 4, ("kda", 16, 4): 2, ("kda", 32, 4): 4}
+"""Per ``(family, history, window tokens rounded up to a power of two)``: the history records a served window program
+reads a step after the window's tokens (:func:`~.verify.window_history`, ``replay_verify(window_history_rows=...)``)
+instead of holding the history's decayed ``[L, K]`` keys beside the tokens' work (0, elsewhere): a ``[HR, K]`` block
+of keys and gates in registers, a loop over the ``count`` records present only. Side by side on an H100
+(bench/results/replay/window_20261207, commit a92bc16 plus this path, KDA float32, output-only, window launch µs whole
+/ 2 / 4 records a step at 64 / 128 / 256 requests): D = 4, L = 16 35.9 / 28.2 / 36.5, 62.9 / 47.9 / 68.8, 113.9 /
+87.3 / 128.6 (round 2.22 -> 2.32x, 2.35 -> 2.48x, 2.48 -> 2.63x native; Triton 3.6 allots 237 registers a thread
+at 4 records, 252 whole); decode, L = 16, 14.4 / 13.1 / 11.4, 24.6 / 22.6 / 20.1, 44.8 / 37.4 / 34.6 (a step 3-4 %
+faster); D = 4, L = 32 (4 records, one warp) 119.7 -> 71.5 at 128, 219.4 -> 129.8 at 256 (round 2.02 -> 2.27x,
+2.17 -> 2.39x: the whole block spilled 16 bytes there). Not served: GDN (its window per key head holds the block, and
+is fast), D = 2 (not timed), L = 64 (served written through: output-only with 4 records a step on one warp, D = 4,
+1.94 / 1.97x native at 128 / 256 against the write-through's 1.66 / 1.61x, but the bound is D = 2's too,
+:data:`WRITE_THROUGH_VERIFY_BELOW`; a decode 426.1 µs against the write-through's 370.4 at 256), a decode at L = 32
+(not timed). A bfloat16 state's window is the same launch (it reads no state)."""
 
 
 SERVED_WINDOW_RAW_KEYS = frozenset({("kda", 16, 2), ("kda", 16, 4), ("kda", 32, 1), ("kda", 32, 2)})

@@ -45,7 +45,7 @@ from ..delta_rule_step import (apply_records, beta_gate, decay_gate, gate_vector
                                packed_beta, store_key_record, token_gate)
 from .ring import ReplayRing, flag_nonfinite, window_overflows
 from .served import (FOLD_FIRST_MIN_REQUESTS, SERVED_PDL, output_tiling, served_fold_block_v, served_launches,
-                     served_window_key_heads, served_window_raw_keys, served_window_warps)
+                     served_window_history_rows, served_window_key_heads, served_window_raw_keys, served_window_warps)
 
 
 @triton.jit
@@ -105,6 +105,7 @@ def replay_window_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr,
     IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, FUSED_FOLD: tl.constexpr,
     FOLD_FIRST: tl.constexpr, KEY_HEADS: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr, RAW_KEYS: tl.constexpr,
+    HR: tl.constexpr,
 ):
     """Grid ``(N * HV + FOLD_FIRST,)``: the K-side of a window of T tokens per request (``q, k``
     ``[1, N*T, H, K]``, ``a`` ``[N*T, HV]`` or ``[N*T, HV*K]``, ``b`` ``[1, N*T, HV]``), one program per request
@@ -113,7 +114,8 @@ def replay_window_kernel(
     the output launch start (``griddepcontrol.launch_dependents``; it waits for this launch before reading
     anything written here). ``KEY_HEADS`` (GDN): one program per request and key head instead
     (:func:`window_key_head_program`; grid ``(N * H + FOLD_FIRST,)``, ``GP`` the next power of two of
-    ``HV // H``). ``RAW_KEYS``: the history's keys renormalised from the raw records (:func:`history_keys`)."""
+    ``HV // H``). ``RAW_KEYS``: the history's keys renormalised from the raw records (:func:`history_keys`). ``HR``:
+    a value-head program's history records a step (0: held whole; :func:`window_program`)."""
     i_nh = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -132,12 +134,12 @@ def replay_window_kernel(
             window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                            r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
                            stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
-                           RAW_KEYS)
+                           RAW_KEYS, HR)
     else:
         window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g, r_beta, r_kraw, r_count,
                        r_phase, rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q,
                        stride_k, stride_b, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED, ROUND_BETA, FUSED_FOLD,
-                       RAW_KEYS)
+                       RAW_KEYS, HR)
 
 
 @triton.jit
@@ -145,14 +147,17 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
                    rec_indices, softplus_beta, softplus_threshold, scale, T, stride_a, stride_q, stride_k, stride_b,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
                    W: tl.constexpr, IS_KDA: tl.constexpr, BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr,
-                   FUSED_FOLD: tl.constexpr, RAW_KEYS: tl.constexpr):
+                   FUSED_FOLD: tl.constexpr, RAW_KEYS: tl.constexpr, HR: tl.constexpr):
     """Window program ``i_nh`` (request ``i_nh // HV``, value head ``i_nh % HV``). Writes one row of ``proj``
     ``[N*T, HV, W]`` float32 (``W = 2K + 2L + 2TP + 1``) per token and value head: ``e^{G_t} * k_t`` (K),
     ``e^{G_t} * q_t`` (K, ``q`` scaled), the history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and
     ``. q_t`` (L each, records ``j < count``), the window coefficients for tokens ``j < t`` of ``. k_t``
     and ``j <= t`` of ``. q_t`` (TP each, ``TP = next_power_of_2(T)``) and beta. Appends normalised and raw
     k (once per key head), g and beta at ring position ``phase * L + count + t`` of real rows. ``K`` a
-    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``."""
+    power of two; ring and cursors as :class:`ReplayRing` at ``rec_indices`` ``[N]``. ``HR == 0``: the history's
+    decayed keys ``[L, K]`` held while the tokens are worked on; else read ``HR`` records a step after them
+    (:func:`window_history`; fewer registers, the ``count`` records present only). The history's total log-decay
+    is summed first either way; coefficients agree to float32 rounding."""
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos = i_n * T
@@ -170,32 +175,109 @@ def window_program(i_nh, A_log, a, dt_bias, q, k, b, proj, h0_indices, r_kn, r_g
     _, r, valid, c, phase, _ = window_cursor(h0_indices, rec_indices, r_count, r_phase, i_n, T, L, FUSED_FOLD)
     rec0 = r * 2 * L + phase.to(tl.int64) * L
 
-    # the history's keys, decayed to the end of the history, and its total log-decay Gc
     m_l = o_l < c
     p_rec = rec0 + o_l
-    if IS_KDA:
-        b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
-        b_Gc = tl.sum(b_gh, 0)
-        b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
-    else:
-        b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
-        b_gsum = tl.sum(b_gh, 0)
-        b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
-        b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
-    b_kh = history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H, K, RAW_KEYS)
-    b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
+    if HR == 0:  # the history's keys, decayed to the end of the history, and its total log-decay Gc
+        if IS_KDA:
+            b_gh = tl.load(r_g + (p_rec[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_l[:, None], other=0)
+            b_Gc = tl.sum(b_gh, 0)
+            b_dec = tl.exp(b_Gc[None, :] - tl.cumsum(b_gh, 0))
+        else:
+            b_gh = tl.load(r_g + p_rec * HV + i_hv, mask=m_l, other=0)
+            b_gsum = tl.sum(b_gh, 0)
+            b_Gc = tl.zeros([K], dtype=tl.float32) + b_gsum
+            b_dec = tl.exp(b_gsum - tl.cumsum(b_gh, 0))[:, None]
+        b_kh = history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H, K, RAW_KEYS)
+        b_kh = tl.where(m_l[:, None], b_kh * b_dec, 0)
+    else:  # the total log-decay alone: the history is read HR records at a time after the window
+        b_Gc = tl.zeros([K], dtype=tl.float32)
+        o_r = tl.arange(0, HR)
+        for j0 in range(0, c, HR):  # a block's gates at a time, as window_history reads them again
+            b_Gc += tl.sum(history_gates(r_g, rec0 + j0, o_r, c - j0, i_hv, o_k, HV, K, HR, IS_KDA), 0)
+        b_kh = tl.zeros([TP, K], dtype=tl.float32)  # unused
 
     b_Gt = b_Gc
     b_Gw = tl.zeros([K], dtype=tl.float32)  # log-decay of the window so far
     b_kw = tl.zeros([TP, K], dtype=tl.float32)  # the window's normalised keys ...
     b_Gws = tl.zeros([TP, K], dtype=tl.float32)  # ... and log-decays, row j = token j
+    b_qw = tl.zeros([TP, K], dtype=tl.float32)  # ... and scaled normalised queries (HR > 0)
     writes_k = i_hv % (HV // H) == 0
     for t in tl.static_range(TP):  # unrolled: every token's loads are issued up front
-        b_Gt, b_Gw, b_kw, b_Gws = window_token(
-            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
-            r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
+        b_Gt, b_Gw, b_kw, b_Gws, b_qw = window_token(
+            t, t < T, b_Gt, b_Gw, b_kw, b_Gws, b_qw, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn,
+            r_g, r_beta, r_kraw, bos, i_h, i_hv, rec0 + c, valid, writes_k, softplus_beta, softplus_threshold, scale,
             stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H, HV, K, L, TP, W, IS_KDA, BETA_ACTIVATED,
-            ROUND_BETA)
+            ROUND_BETA, HR)
+    if HR > 0:
+        b_ew = tl.exp(b_Gws)
+        window_history(b_ew * b_kw, b_ew * b_qw, b_Gc, proj, r_kn, r_kraw, r_g, rec0, c, bos, i_h, i_hv, T, o_k, o_l,
+                       o_t, H, HV, K, L, TP, W, IS_KDA, RAW_KEYS, HR)
+
+
+@triton.jit
+def window_history(b_ek, b_eq, b_Gc, proj, r_kn, r_kraw, r_g, rec0, c, bos, i_h, i_hv, T, o_k, o_l, o_t,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr,
+                   W: tl.constexpr, IS_KDA: tl.constexpr, RAW_KEYS: tl.constexpr, HR: tl.constexpr):
+    """The history coefficients ``(k_j * e^{G_t - G_j}) . k_t`` and ``. q_t`` of a window program (``proj``
+    columns ``2K + j`` and ``2K + L + j`` of each token's row; 0 for ``j >= c``), reading the ``c`` records from
+    ring position ``rec0`` ``HR`` at a time (a loop of ``cdiv(c, HR)`` steps): only a ``[HR, K]`` block of keys
+    and gates in registers beside the window's ``b_ek = e^{Gw_t} k_t``, ``b_eq = e^{Gw_t} q_t`` ``[TP, K]``
+    (``Gw`` the window's log-decay; ``b_Gc`` ``[K]`` the history's total)."""
+    m_t = o_t < T
+    p_rows = proj + ((bos + o_t) * HV + i_hv) * W + 2 * K  # [TP]
+    m_none = (o_l >= c)[:, None] & m_t[None, :]
+    zero = tl.zeros([L, TP], dtype=tl.float32)
+    tl.store(p_rows[None, :] + o_l[:, None], zero, mask=m_none)
+    tl.store(p_rows[None, :] + L + o_l[:, None], zero, mask=m_none)
+    o_r = tl.arange(0, HR)
+    b_P = tl.zeros([K], dtype=tl.float32)  # log-decay of the records before the block
+    for j0 in range(0, c, HR):
+        b_g, b_kd = history_block(r_kn, r_kraw, r_g, rec0 + j0, o_r, c - j0, i_h, i_hv, o_k, H, HV, K, HR, IS_KDA,
+                                  RAW_KEYS)
+        o_j = j0 + o_r
+        m_j = o_j < c
+        b_G = b_P[None, :] + tl.cumsum(b_g, 0)  # G_j, from the checkpoint
+        b_P += tl.sum(b_g, 0)
+        b_kd = b_kd.to(tl.float32)
+        if RAW_KEYS:
+            b_kd = l2normalize_rows(b_kd)
+        b_kd = tl.where(m_j[:, None], b_kd * tl.exp(b_Gc[None, :] - b_G), 0)
+        for t in tl.static_range(TP):
+            m_out = m_j & (t < T)
+            b_e = tl.sum(tl.where(o_t[:, None] == t, b_ek, 0), 0)
+            tl.store(proj + ((bos + t) * HV + i_hv) * W + 2 * K + o_j, tl.sum(b_kd * b_e[None, :], 1), mask=m_out)
+            b_e = tl.sum(tl.where(o_t[:, None] == t, b_eq, 0), 0)
+            tl.store(proj + ((bos + t) * HV + i_hv) * W + 2 * K + L + o_j, tl.sum(b_kd * b_e[None, :], 1),
+                     mask=m_out)
+
+
+@triton.jit
+def history_block(r_kn, r_kraw, r_g, pos0, o_r, left, i_h, i_hv, o_k, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, HR: tl.constexpr, IS_KDA: tl.constexpr, RAW_KEYS: tl.constexpr):
+    """The gates ``[HR, K]`` float32 (GDN's scalar broadcast) and keys ``[HR, K]`` of the ``HR`` records from ring
+    position ``pos0`` (rows from ``left`` on: 0), as loaded: raw (``r_kraw``'s dtype) with ``RAW_KEYS``, else the
+    stored normalised ones (float32)."""
+    m_r = o_r < left
+    p_k = ((pos0 + o_r)[:, None] * H + i_h) * K + o_k[None, :]
+    if RAW_KEYS:
+        b_k = tl.load(r_kraw + p_k, mask=m_r[:, None], other=0)
+    else:
+        b_k = tl.load(r_kn + p_k, mask=m_r[:, None], other=0)
+    return history_gates(r_g, pos0, o_r, left, i_hv, o_k, HV, K, HR, IS_KDA), b_k
+
+
+@triton.jit
+def history_gates(r_g, pos0, o_r, left, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr, HR: tl.constexpr,
+                  IS_KDA: tl.constexpr):
+    """The log-decays ``[HR, K]`` float32 of value head ``i_hv`` of the ``HR`` records from ring position ``pos0``
+    (KDA's per channel, GDN's scalar broadcast; rows from ``left`` on: 0)."""
+    m_r = o_r < left
+    p_r = pos0 + o_r
+    if IS_KDA:
+        b_g = tl.load(r_g + (p_r[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_r[:, None], other=0)
+    else:
+        b_g = tl.zeros([HR, K], dtype=tl.float32) + tl.load(r_g + p_r * HV + i_hv, mask=m_r, other=0)[:, None]
+    return b_g
 
 
 @triton.jit
@@ -292,13 +374,15 @@ def history_keys(r_kn, r_kraw, p_rec, m_l, i_h, o_k, H: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj, r_kn, r_g,
-                 r_beta, r_kraw, bos, i_h, i_hv, pos0, valid, writes_k, softplus_beta, softplus_threshold, scale,
-                 stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H: tl.constexpr, HV: tl.constexpr,
+def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_qw, b_kh, p_A_log, p_a0, p_dt_bias, p_b0, q, k, b, proj,
+                 r_kn, r_g, r_beta, r_kraw, bos, i_h, i_hv, pos0, valid, writes_k, softplus_beta, softplus_threshold,
+                 scale, stride_a, stride_q, stride_k, stride_b, o_k, o_l, o_t, H: tl.constexpr, HV: tl.constexpr,
                  K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr,
-                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr):
+                 BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, HR: tl.constexpr):
     """Token t of the window launch (``live``: t < T): its gate, normalised key and query, projection row
-    and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays)``."""
+    and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays, e^{Gw} k, e^{Gw} q)``.
+    With ``HR == 0`` the row's history coefficients come from the decayed history keys ``b_kh`` ``[L, K]``; else
+    the last two carry row t for :func:`window_history`."""
     mask_k = (o_k < K) & live
     t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's gate, stores nothing
     b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t_in * stride_a, p_dt_bias, p_b0 + t_in * stride_b, mask_k,
@@ -315,8 +399,11 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     p_row = proj + ((bos + t) * HV + i_hv) * W
     tl.store(p_row + o_k, b_e * b_k, mask=mask_k)
     tl.store(p_row + K + o_k, b_e * b_q, mask=mask_k)
-    tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1), mask=live)
-    tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1), mask=live)
+    if HR == 0:
+        tl.store(p_row + 2 * K + o_l, tl.sum(b_kh * (b_ew * b_k)[None, :], 1), mask=live)
+        tl.store(p_row + 2 * K + L + o_l, tl.sum(b_kh * (b_ew * b_q)[None, :], 1), mask=live)
+    else:
+        b_qw = tl.where(o_t[:, None] == t, b_q[None, :], b_qw)
     tl.store(p_row + 2 * K + 2 * L + o_t, tl.where(o_t < t, tl.sum(b_kd * b_k[None, :], 1), 0), mask=live)
     tl.store(p_row + 2 * K + 2 * L + TP + o_t,
              tl.where(o_t < t, tl.sum(b_kd * b_q[None, :], 1), tl.where(o_t == t, tl.sum(b_k * b_q), 0)), mask=live)
@@ -327,7 +414,7 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_kh, p_A_log, p_a0, p_dt_bia
     store_key_record(r_kraw, r_g, r_beta, pos, i_h, i_hv, rec & writes_k, rec, o_k, mask_k, b_k_raw, b_g, b_beta, H, HV,
                      K, IS_KDA)
     return (b_Gt, b_Gw, tl.where(o_t[:, None] == t, b_k[None, :], b_kw),
-            tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws))
+            tl.where(o_t[:, None] == t, b_Gw[None, :], b_Gws), b_qw)
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -649,7 +736,7 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
                   block_k: int | None = None, num_stages: int | None = None, window_warps: int | None = None,
                   dot: bool | None = None, launches: int | None = None, pdl: bool | None = None,
                   window_key_heads: bool | None = None, window_raw_keys: bool | None = None,
-                  fold_block_v: int | None = None) -> torch.Tensor:
+                  fold_block_v: int | None = None, window_history_rows: int | None = None) -> torch.Tensor:
     """Output-only decode (T = 1) or chain verify (T = D) of ``N = len(state_indices)`` requests with
     ``T_all / N`` tokens each; inputs as SGLang's ``fused_sigmoid_gating_delta_rule_update``. ``launches`` 2:
     :func:`replay_window_kernel`, then :func:`replay_output_kernel`, and one float32 scratch tensor of
@@ -679,7 +766,10 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     (:func:`history_keys`; the ring's raw keys in ``k``'s dtype or float32; default
     :func:`~.served.served_window_raw_keys` where the ring holds them so, else the normalised keys).
     ``fold_block_v`` (a power of two from ``num_warps`` to the output tile's columns): the value columns a fused fold
-    advances at a time (default :func:`~.served.served_fold_block_v`).
+    advances at a time (default :func:`~.served.served_fold_block_v`). ``window_history_rows`` (two launches, a
+    window program per value head; 0 or a power of two up to L): the history records a window program reads a step
+    after the window's tokens (:func:`window_history`), or 0, the whole history held beside them (default
+    :func:`~.served.served_window_history_rows`).
     Checkpoints and every record but ``u`` are the same bits for every choice of one warp (``num_warps`` 1, as
     served; several warps: within a unit in the last place, :data:`~.served.FOLD_WARP_COLUMNS`); outputs and ``u``
     agree to float32 rounding. A padding row is negative in ``state_indices`` and in ``record_indices`` (serving
@@ -720,9 +810,6 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
     if launches not in (1, 2):
         raise ValueError(f"launches {launches} must be 1 (one launch) or 2 (window, then output)")
     L, TP = ring.history, triton.next_power_of_2(T)
-    window_warps = served_window_warps(L, T) if window_warps is None else window_warps
-    if window_warps not in (1, 2, 4, 8):
-        raise ValueError(f"window_warps {window_warps} must be 1, 2, 4 or 8")
     scale = kdim ** -0.5 if scale is None else scale
     fold_first = fused_fold and (n >= FOLD_FIRST_MIN_REQUESTS if fold_first is None else fold_first)
     pdl = SERVED_PDL if pdl is None else pdl
@@ -743,6 +830,18 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         raise ValueError(f"window_raw_keys: keys of {k.dtype} rounded into a ring of {ring.k_raw.dtype} would not "
                          "renormalise to the keys the window used; allocate the ring in the activation dtype or "
                          "float32, or pass window_raw_keys=False")
+    history_rows = (served_window_history_rows(launches, is_kda, L, T) if window_history_rows is None
+                    else window_history_rows)
+    if history_rows < 0 or history_rows & (history_rows - 1) or history_rows > L:
+        raise ValueError(f"window_history_rows {history_rows} must be 0 (the history held whole) or a power of two "
+                         f"no larger than the history's {L} records")
+    if history_rows and (launches != 2 or window_key_heads):
+        raise ValueError("window_history_rows: a window program per value head of two launches reads the history a "
+                         "block at a time (the key-head and one-launch programs hold it whole); pass "
+                         "window_history_rows=0")
+    window_warps = served_window_warps(L, T, history_rows) if window_warps is None else window_warps
+    if window_warps not in (1, 2, 4, 8):
+        raise ValueError(f"window_warps {window_warps} must be 1, 2, 4 or 8")
     order = torch.empty(n, dtype=torch.int32, device=q.device) if fold_first else None
     o = q.new_empty(1, t_all, hv, vdim)
     fbv = (served_fold_block_v(BV, warps, T, is_kda, L, checkpoints.dtype) if fold_block_v is None
@@ -770,7 +869,8 @@ def replay_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, q
         1.0, 20.0, scale, n, T, a.stride()[-2], q.stride()[1], k.stride()[1], b.stride()[-2],
         H=hk, HV=hv, K=kdim, L=L, TP=TP, W=W, IS_KDA=is_kda, BETA_ACTIVATED=beta_activated, ROUND_BETA=round_beta,
         FUSED_FOLD=fused_fold, FOLD_FIRST=fold_first, KEY_HEADS=window_key_heads,
-        GP=triton.next_power_of_2(hv // hk), PDL=pdl, RAW_KEYS=window_raw_keys, num_warps=window_warps, num_stages=1)
+        GP=triton.next_power_of_2(hv // hk), PDL=pdl, RAW_KEYS=window_raw_keys, HR=history_rows, num_warps=window_warps,
+        num_stages=1)
     replay_output_kernel[(triton.cdiv(vdim, BV), n * hv)](
         v, o, proj, checkpoints, state_indices,
         ring.u, ring.g, ring.beta, ring.k_raw, ring.v_raw, ring.count, ring.phase, ring.faults, record_indices, order,
