@@ -380,9 +380,9 @@ def window_token(t, live, b_Gt, b_Gw, b_kw, b_Gws, b_qw, b_kh, p_A_log, p_a0, p_
                  K: tl.constexpr, L: tl.constexpr, TP: tl.constexpr, W: tl.constexpr, IS_KDA: tl.constexpr,
                  BETA_ACTIVATED: tl.constexpr, ROUND_BETA: tl.constexpr, HR: tl.constexpr):
     """Token t of the window launch (``live``: t < T): its gate, normalised key and query, projection row
-    and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays, e^{Gw} k, e^{Gw} q)``.
-    With ``HR == 0`` the row's history coefficients come from the decayed history keys ``b_kh`` ``[L, K]``; else
-    the last two carry row t for :func:`window_history`."""
+    and key-side records; returns the running ``(G_t, Gw_t, window keys, window log-decays, window queries)``
+    (``[TP, K]`` blocks, row t set; the queries only with ``HR > 0``, for :func:`window_history`). With ``HR == 0``
+    the row's history coefficients come from the decayed history keys ``b_kh`` ``[L, K]``."""
     mask_k = (o_k < K) & live
     t_in = tl.where(live, t, 0)  # a token past the window (unrolled to TP) reads token 0's gate, stores nothing
     b_g, b_gv, b_beta = gate_vector(p_A_log, p_a0 + t_in * stride_a, p_dt_bias, p_b0 + t_in * stride_b, mask_k,
