@@ -292,6 +292,16 @@ def record_launches(monkeypatch, constant, *kernels):
     return seen
 
 
+def skip_launches(monkeypatch, *kernels):
+    """Replace the :mod:`~sglang_ssm_modes.ops.replay.verify` kernels named ``kernels`` by launches that do nothing."""
+    class Skip:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for name in kernels:
+        monkeypatch.setattr(replay_verify_module, name, Skip())
+
+
 def test_fold_block_v_reaches_the_output_launch(monkeypatch):
     """``fold_block_v`` is the ``FBV`` the output launch (either kernel) compiles with; None (a GDN verify):
     ``FOLD_WARP_COLUMNS`` per warp, at most the tile. (The tiling test checks the folds' bits; this one that the
@@ -596,8 +606,7 @@ def test_kda_windows_served_raw_keys_are_the_measured_rows(monkeypatch):
     assert {key for key, raw in chosen.items() if raw} == (
         {(True, 2, L, T) for L in (8, 16) for T in (2, 3, 4)} | {(True, 2, 32, 1), (True, 2, 32, 2)})
     seen = record_launches(monkeypatch, "RAW_KEYS", "replay_window_kernel")
-    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", type("Skip", (), {
-        "__getitem__": lambda self, grid: lambda *args, **kwargs: None})())
+    skip_launches(monkeypatch, "replay_output_kernel")
     for family, d, L, raw in (("kda", 2, 16, True), ("kda", 1, 16, False), ("kda", 4, 32, False),
                               ("kda", 1, 32, True), ("gdn", 4, 16, False)):
         n, hk, hv, kdim, vdim = 2, 1, 2, 16, 16
@@ -623,8 +632,7 @@ def test_kda_windows_read_the_history_a_block_at_a_time_where_measured(monkeypat
     assert {key: hr for key, hr in rows.items() if hr} == expected
     assert [served_module.served_window_warps(L, 4, 4) for L in (16, 32, 64)] == [1, 1, 1]
     assert [served_module.served_window_warps(L, 1) for L in (16, 32, 64)] == [1, 2, 4]  # the whole history
-    skip = type("Skip", (), {"__getitem__": lambda self, grid: lambda *args, **kwargs: None})()
-    monkeypatch.setattr(replay_verify_module, "replay_output_kernel", skip)
+    skip_launches(monkeypatch, "replay_output_kernel")
     for family, d, L, hr, warps in (("kda", 1, 16, 4, 1), ("kda", 4, 16, 2, 1), ("kda", 2, 16, 0, 1),
                                     ("kda", 4, 64, 0, 4), ("kda", 1, 64, 0, 4), ("kda", 3, 32, 4, 1),
                                     ("gdn", 4, 64, 0, 4)):
